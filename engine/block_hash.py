@@ -1,0 +1,44 @@
+"""The one block hash of the project: the prefix cache, the router and the simulator all key KV blocks
+by it. A block's hash chains its parent's, so equal hashes mean equal prefixes, not just equal blocks.
+blake2b is stable across processes (unlike `hash()`), so the ingress and every replica agree."""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+from hashlib import blake2b
+
+BlockHash = int  # 128-bit
+
+NONE_HASH: BlockHash = 0  # parent of the first block
+
+
+def hash_block_tokens(
+    parent: BlockHash, token_ids: Sequence[int], extra_keys: tuple | None = None
+) -> BlockHash:
+    h = blake2b(parent.to_bytes(16, "little"), digest_size=16)
+    tokens = array("q", token_ids)
+    if sys.byteorder == "big":  # the same hash on every machine of a cluster
+        tokens.byteswap()
+    h.update(tokens.tobytes())
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return int.from_bytes(h.digest(), "little")
+
+
+def hash_block_chain(
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    parent_hashes: Sequence[BlockHash] = (),
+) -> list[BlockHash]:
+    """Hashes of every full block of `token_ids`, continuing after `parent_hashes` (the hashes
+    already known for its first blocks). The cache salt enters the first block only, which is enough
+    to separate whole chains."""
+    hashes = list(parent_hashes)
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hashes[-1] if hashes else NONE_HASH
+        extra = (cache_salt,) if cache_salt is not None and not hashes else None
+        hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size], extra))
+    return hashes

@@ -1,0 +1,63 @@
+"""EngineConfig: everything that shapes one engine instance, validated once at construction."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    """Configuration of one inference engine. An invalid value raises a pydantic ValidationError
+    (a ValueError) whose location names the field."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str = Field(
+        description="A built-in model name (see engine.models.builtin), a local Hugging Face folder, "
+        "or a Hugging Face hub id (downloaded into the hub cache)."
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer folder or hub id; defaults to `model`.")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of `model`.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Weight and activation dtype. `auto` takes the checkpoint's dtype, except float16 "
+        "on CPU, which runs as float32 (CPU float16 matmuls are slow).",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto` picks cuda when available.")
+    load_format: Literal["auto", "safetensors", "dummy"] = Field(
+        "auto",
+        description="`safetensors` reads the checkpoint's weights; `dummy` draws random weights at the "
+        "checkpoint's shapes (for benchmarks); `auto` is safetensors.",
+    )
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
+    num_kv_blocks: int | None = Field(
+        None, ge=2, description="Exact number of KV-cache blocks; overrides the memory budget."
+    )
+    kv_cache_memory_gb: float | None = Field(
+        None,
+        gt=0,
+        description="KV-cache memory budget in GiB. Default: 2 GiB on CPU; on CUDA, what "
+        "`gpu_memory_utilization` leaves after the weights.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Fraction of GPU memory the engine may use (CUDA only)."
+    )
+    max_num_seqs: int = Field(256, ge=1, description="Most requests running in one step.")
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Token budget of one step, prefill and decode together. Default 2048, or "
+        "max_model_len when chunked prefill is off.",
+    )
+    max_model_len: int | None = Field(
+        None, ge=2, description="Longest prompt + output; defaults to the model's max_position_embeddings."
+    )
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
+    enable_chunked_prefill: bool = Field(
+        True, description="Split long prompts across steps so that decodes keep flowing."
+    )
+    seed: int = Field(0, description="Seed for dummy weights and for requests sampled without a seed.")
+    attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
+        "auto", description="`auto` is flashinfer on CUDA when installed, torch otherwise."
+    )

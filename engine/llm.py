@@ -1,0 +1,83 @@
+"""LLM: offline batch generation, vLLM's `LLM` API without Ray."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+PromptType = str | list[int]
+
+
+class LLM:
+    """`LLM("pagedserve-tiny", max_model_len=1024).generate(["Hello"], SamplingParams(max_tokens=8))`.
+    Keyword arguments are EngineConfig fields."""
+
+    def __init__(self, model: str, **engine_config) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_config))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts; pass one, or one per prompt"
+                )
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                ids.append(engine.add_request(prompt, params).request_id)
+        except Exception:
+            engine.abort_request(ids)  # all or nothing: no half-submitted batch left running
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        outputs: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        start, num_output_tokens = time.perf_counter(), 0
+        wanted = set(ids)
+        while engine.has_unfinished_requests() and len(outputs) < len(ids):
+            for request in engine.step():
+                if request.request_id not in wanted:
+                    continue
+                outputs[request.request_id] = engine.make_output(request)
+                num_output_tokens += request.num_output_tokens
+                bar.update(1)
+                bar.set_postfix_str(f"output {num_output_tokens / (time.perf_counter() - start):.0f} tok/s")
+        bar.close()
+        return [outputs[i] for i in ids]
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts: must not be empty")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [prompts]  # one prompt of token ids
+    for p in prompts:
+        if not isinstance(p, (str, list, tuple)):
+            raise ValueError(f"prompts: expected str or list of token ids, got {type(p).__name__}")
+    return [p if isinstance(p, str) else list(p) for p in prompts]

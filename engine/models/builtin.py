@@ -1,0 +1,149 @@
+"""Built-in models: deterministic random-weight Llama checkpoints written in Hugging Face format
+(config.json, model.safetensors, tokenizer, chat template) into a cache folder, then loaded through
+the same loader as any checkpoint. The tokenizer is the real 32k SentencePiece one that ships inside
+`mistral_common`; the weights are random, so the text is gibberish but every code path is real.
+
+    pagedserve-tiny   ~4M parameters (hidden 64, 2 layers): tests and the default serving config
+    pagedserve-56m    ~56M parameters (hidden 512, 8 layers, 8/4 heads): benchmarks; the same shape
+                      as the model behind DESIGN.md's "Numbers to beat"
+
+The cache folder is $PAGEDSERVE_CACHE (default ~/.cache/pagedserve); a folder's name carries a hash of
+its spec, so a changed spec materializes afresh."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+_ARCH = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
+_COMMON = {
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+    "torch_dtype": "float32",
+}
+BUILTIN_MODELS: dict[str, dict] = {
+    "pagedserve-tiny": {
+        **_ARCH, **_COMMON, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    },
+    "pagedserve-56m": {
+        **_ARCH, **_COMMON, "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+    },
+}
+
+# Mistral's [INST] format. `tools` and tool messages arrive with the tool-calling issue.
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{%- set system = messages[0]['content'] %}{%- set loop_messages = messages[1:] %}"
+    "{%- else %}{%- set system = none %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- for message in loop_messages %}"
+    "{%- if message['role'] == 'user' %}"
+    "{%- if loop.first and system %}{{ '[INST] ' + system + '\\n\\n' + message['content'] + ' [/INST]' }}"
+    "{%- else %}{{ '[INST] ' + message['content'] + ' [/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+)
+_TOKENIZER_CONFIG = {
+    "tokenizer_class": "LlamaTokenizer",
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "unk_token": "<unk>",
+    "add_bos_token": True,
+    "add_eos_token": False,
+    "legacy": False,
+    "model_max_length": 4096,
+    "chat_template": CHAT_TEMPLATE,
+}
+_FORMAT_VERSION = 1  # bump when the files written below change
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
+
+
+def materialize_builtin(name: str) -> Path:
+    spec = BUILTIN_MODELS[name]
+    digest = hashlib.sha256(json.dumps([spec, CHAT_TEMPLATE, _FORMAT_VERSION], sort_keys=True).encode())
+    path = cache_root() / "models" / f"{name}-{digest.hexdigest()[:12]}"
+    if (path / "model.safetensors").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=path.parent))
+    try:
+        write_checkpoint(tmp, spec, seed=int(digest.hexdigest()[:8], 16))
+        try:
+            os.rename(tmp, path)  # atomic: concurrent replicas either win or find it done
+        except OSError:
+            if not (path / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def write_checkpoint(path: Path, spec: dict, seed: int) -> None:
+    (path / "config.json").write_text(json.dumps(spec, indent=2))
+    (path / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": spec["bos_token_id"], "eos_token_id": spec["eos_token_id"]})
+    )
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in hf_llama_shapes(spec).items():
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape)
+        else:
+            tensors[name] = torch.randn(shape, generator=gen) * spec["initializer_range"]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    write_tokenizer(path)
+
+
+def write_tokenizer(path: Path) -> None:
+    import mistral_common
+    from transformers import AutoTokenizer
+
+    sentencepiece = Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
+    shutil.copyfile(sentencepiece, path / "tokenizer.model")
+    (path / "tokenizer_config.json").write_text(json.dumps(_TOKENIZER_CONFIG, indent=2))
+    # Converting the SentencePiece model takes seconds; save the fast tokenizer.json once.
+    AutoTokenizer.from_pretrained(path).save_pretrained(path)
+
+
+def hf_llama_shapes(spec: dict) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a Hugging Face Llama checkpoint with this config."""
+    h, i, v = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"]
+    d = spec.get("head_dim") or h // spec["num_attention_heads"]
+    q, kv = spec["num_attention_heads"] * d, spec["num_key_value_heads"] * d
+    shapes = {"model.embed_tokens.weight": (v, h)}
+    for n in range(spec["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
+    shapes["model.norm.weight"] = (h,)
+    if not spec.get("tie_word_embeddings"):
+        shapes["lm_head.weight"] = (v, h)
+    return shapes

@@ -1,0 +1,63 @@
+"""Building blocks of the Llama-family decoder, numerically matched to Hugging Face transformers."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """With `residual`, adds it first and returns (normed, new residual), fusing the two steps."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return h if residual is None else (h, residual)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    # Llama 3.1 frequency scaling, as in transformers' _compute_llama3_parameters.
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate_half), with a cos/sin cache indexed by position."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

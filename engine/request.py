@@ -1,0 +1,92 @@
+"""A request's state inside the engine: its tokens, how many of them have KV computed, its blocks'
+hashes, and its lifecycle status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.block_hash import BlockHash, hash_block_chain
+from engine.outputs import SampleLogprobs
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything after this point is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved: sampling_params.max_tokens capped by max_model_len
+    block_size: int
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    cache_salt: str | None = None
+    prompt: str | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit in tokens, set when first scheduled
+    num_preemptions: int = 0
+    block_hashes: list[BlockHash] = field(init=False)
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float = 0.0
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.block_hashes = hash_block_chain(self.all_token_ids, self.block_size, self.cache_salt)
+        if self.sampling_params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if len(self.all_token_ids) % self.block_size == 0:  # a block just filled: hash it
+            self.block_hashes = hash_block_chain(
+                self.all_token_ids, self.block_size, self.cache_salt, self.block_hashes
+            )

@@ -1,0 +1,253 @@
+"""Continuous batching with one token budget per step.
+
+Each step hands out up to `max_num_batched_tokens` over the running requests first, then the waiting
+ones; there are no prefill and decode phases, only requests whose computed tokens catch up with their
+known tokens. A prompt larger than what is left of the budget is chunked. When the pool runs out of
+blocks, the lowest-priority, latest request is preempted: its blocks are freed and it is recomputed
+later (usually cheaply, from the prefix cache)."""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class _FCFSQueue:
+    """Arrival order; preempted requests go back to the front."""
+
+    def __init__(self) -> None:
+        self._q: deque[Request] = deque()
+
+    def add(self, r: Request) -> None:
+        self._q.append(r)
+
+    def prepend(self, r: Request) -> None:
+        self._q.appendleft(r)
+
+    def peek(self) -> Request:
+        return self._q[0]
+
+    def pop(self) -> Request:
+        return self._q.popleft()
+
+    def remove(self, r: Request) -> None:
+        self._q.remove(r)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self):
+        return iter(self._q)
+
+
+class _PriorityQueue:
+    """Lower priority value first, then arrival; a preempted request keeps its place by key."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._seq = 0  # ties beyond (priority, arrival) stay stable
+
+    def add(self, r: Request) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (r.priority, r.arrival_time, self._seq, r))
+
+    prepend = add
+
+    def peek(self) -> Request:
+        return self._heap[0][3]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove(self, r: Request) -> None:
+        self._heap = [e for e in self._heap if e[3] is not r]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self):
+        return (e[3] for e in self._heap)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        policy: Literal["fcfs", "priority"] = "fcfs",
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.policy = policy
+        self.waiting = _PriorityQueue() if policy == "priority" else _FCFSQueue()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        kv = self.kv_cache_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not kv.allocate_slots(request, num_new):
+                victim = self._choose_victim()
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+                budget += self._unschedule(victim, out)
+                i = self.running.index(request)  # the victim may have sat before it
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            out.requests.append(request)
+            out.num_scheduled_tokens.append(num_new)
+            budget -= num_new
+            i += 1
+
+        # Admit nothing new in a step that had to preempt: the pool is under pressure.
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks = kv.get_computed_blocks(request)
+            num_hit = len(hit_blocks) * kv.block_size
+            remaining = request.num_tokens - num_hit
+            if not self.enable_chunked_prefill and remaining > budget:
+                break
+            num_new = min(remaining, budget)
+            if not kv.allocate_slots(request, num_new, hit_blocks):
+                break
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:  # first admission; a resumed request is not a new query
+                request.num_cached_tokens = num_hit
+                kv.record_prefix_hit(request, num_hit)
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.requests.append(request)
+            out.num_scheduled_tokens.append(num_new)
+            budget -= num_new
+        return out
+
+    def _choose_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+        out.preempted.append(request)
+
+    @staticmethod
+    def _unschedule(request: Request, out: SchedulerOutput) -> int:
+        """Drop a request preempted after being scheduled this step; returns its tokens."""
+        for j, r in enumerate(out.requests):
+            if r is request:
+                out.requests.pop(j)
+                return out.num_scheduled_tokens.pop(j)
+        return 0
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled_token_ids: list[int | None]
+    ) -> list[Request]:
+        """Advance each scheduled request by its computed tokens and append its sampled token (None
+        for a prefill chunk that does not reach the end). Returns the requests that finished."""
+        kv = self.kv_cache_manager
+        finished = []
+        for request, num_tokens, token in zip(out.requests, out.num_scheduled_tokens, sampled_token_ids):
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += num_tokens
+            kv.cache_computed_blocks(request)
+            if token is None:
+                continue
+            request.append_output_token(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self._finish(request, status)
+                finished.append(request)
+        return finished
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token in request.eos_token_ids:
+            request.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (e.g. abort) requests wherever they are; unknown or finished ids are ignored."""
+        finished = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]

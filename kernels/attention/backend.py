@@ -1,0 +1,68 @@
+"""The attention backend interface.
+
+A step's tokens arrive as one flattened varlen batch: sequence i owns query rows
+`query_start_loc[i]:query_start_loc[i+1]` and, after this step, has `seq_lens[i]` tokens of context
+whose KV lives in the blocks `block_tables[i]`. Sequences with a single query token (decodes) come
+first, so backends can treat `[:num_decodes]` as a uniform decode batch. Each backend owns its KV-cache
+layout; `slot_mapping[t]` is the flat slot (block_id * block_size + offset) where token t's K and V go."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_tokens: int
+    num_decodes: int
+    query_start_loc_cpu: list[int]  # [num_seqs + 1]
+    seq_lens_cpu: list[int]  # [num_seqs]
+    query_start_loc: torch.Tensor  # int32, on device
+    seq_lens: torch.Tensor  # int32, on device
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks], padded with the null block 0
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        num_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.dtype = dtype
+        self.device = device
+        self.scale = head_dim**-0.5
+
+    @abstractmethod
+    def kv_cache_shape(self) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor."""
+
+    @abstractmethod
+    def plan(self, metadata: AttentionMetadata) -> None:
+        """Prepare for one step's forward; called once per step, before any layer."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Store k, v [num_tokens, num_kv_heads, head_dim] in kv_cache, then attend q
+        [num_tokens, num_heads, head_dim] causally over each sequence's context. Returns q's shape."""

@@ -1,0 +1,122 @@
+"""Paged attention in torch: the reference backend and the CPU path.
+
+KV layout per layer: [num_blocks, 2, block_size, num_kv_heads, head_dim] (FlashInfer's NHD paged
+layout): a block's K and V for every head form one contiguous run of memory. Prefill chunks run one SDPA
+call each, causal with their cached context in front. Decodes run, on CPU, through a compiled kernel
+that reads the blocks in place (kernels/cpu); elsewhere, or without a compiler, as one batched SDPA call
+over gathered, padded K/V in which the g query heads sharing a KV head act as g query positions."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention.backend import AttentionBackend, AttentionMetadata
+from kernels.cpu import load_cpu_kernels
+
+
+def _keep_freed_memory_in_heap() -> None:
+    # glibc hands large freed buffers back to the OS and page-faults them in again on the next step,
+    # which made gathers ~10x slower than memcpy. Keep them in the heap instead.
+    if sys.platform != "linux":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 1 << 30)
+    libc.mallopt(m_trim_threshold, (1 << 31) - 1)
+
+
+@dataclass
+class _PrefillPlan:
+    q_start: int
+    q_end: int
+    context_len: int
+    block_ids: torch.Tensor  # int64 [num_blocks_of_seq]
+    mask: torch.Tensor | None  # None: plain causal (no cached context in front)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def __init__(self, *args, use_cpu_kernel: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.group = self.num_heads // self.num_kv_heads
+        self._cpu_kernels = None
+        if self.device.type == "cpu":
+            _keep_freed_memory_in_heap()
+            if use_cpu_kernel:
+                self._cpu_kernels = load_cpu_kernels()
+        empty = torch.empty(0, dtype=torch.long, device=self.device)
+        self._k_rows = self._v_rows = empty
+        self._num_decodes = 0
+        self._decode_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._decode_gather: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._prefills: list[_PrefillPlan] = []
+
+    def kv_cache_shape(self) -> tuple[int, ...]:
+        return (self.num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def plan(self, md: AttentionMetadata) -> None:
+        bs, nd = self.block_size, md.num_decodes
+        # Rows of the cache viewed as [num_blocks * 2 * block_size, kv_heads, head_dim].
+        block, offset = md.slot_mapping // bs, md.slot_mapping % bs
+        self._k_rows = block * (2 * bs) + offset
+        self._v_rows = self._k_rows + bs
+        self._num_decodes = nd
+        self._decode_tables = (md.block_tables[:nd], md.seq_lens[:nd])
+        self._decode_gather = None
+        if nd and self._cpu_kernels is None:
+            num_blocks = -(-max(md.seq_lens_cpu[:nd]) // bs)
+            positions = torch.arange(num_blocks * bs, device=self.device)
+            mask = (positions[None, :] < md.seq_lens[:nd, None])[:, None, None, :]
+            self._decode_gather = (md.block_tables[:nd, :num_blocks].reshape(-1).long(), mask, num_blocks)
+        self._prefills = []
+        for i in range(nd, md.num_seqs):
+            q_start, q_end = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
+            ctx = md.seq_lens_cpu[i]
+            q_len = q_end - q_start
+            mask = None
+            if ctx != q_len:  # cached context in front: query i sees keys up to ctx - q_len + i
+                rows = torch.arange(q_len, device=self.device)[:, None] + (ctx - q_len)
+                mask = torch.arange(ctx, device=self.device)[None, :] <= rows
+            block_ids = md.block_tables[i, : -(-ctx // bs)].long()
+            self._prefills.append(_PrefillPlan(q_start, q_end, ctx, block_ids, mask))
+
+    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given blocks, each [num_blocks * block_size, kv_heads, head_dim]."""
+        blocks = kv_cache.view(self.num_blocks, -1).index_select(0, block_ids).view(-1, *kv_cache.shape[1:])
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        return blocks[:, 0].reshape(shape), blocks[:, 1].reshape(shape)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        rows = kv_cache.view(-1, self.num_kv_heads, self.head_dim)
+        rows.index_copy_(0, self._k_rows, k)
+        rows.index_copy_(0, self._v_rows, v)
+        out = torch.empty_like(q)
+        nd = self._num_decodes
+        if nd and self._cpu_kernels is not None:
+            block_tables, seq_lens = self._decode_tables
+            self._cpu_kernels.paged_decode_attention(out[:nd], q[:nd].contiguous(), kv_cache, block_tables, seq_lens, self.scale)
+        elif nd:
+            block_ids, mask, num_blocks = self._decode_gather
+            keys, values = self._gather(kv_cache, block_ids)
+            shape = (nd, num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+            keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
+            queries = q[:nd].view(nd, self.num_kv_heads, self.group, self.head_dim)
+            out[:nd] = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask).view(nd, -1, self.head_dim)
+        for p in self._prefills:
+            keys, values = self._gather(kv_cache, p.block_ids)
+            keys, values = keys[: p.context_len].transpose(0, 1), values[: p.context_len].transpose(0, 1)
+            queries = q[p.q_start : p.q_end].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=self.group > 1
+            )
+            out[p.q_start : p.q_end] = o.transpose(0, 1)
+        return out

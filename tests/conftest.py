@@ -1,0 +1,92 @@
+"""Shared fixtures: random-weight checkpoints in Hugging Face format, written by transformers itself so
+that our loader is tested against the real on-disk format."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.models.builtin import materialize_builtin
+
+TINY = "pagedserve-tiny"
+
+_SMALL = dict(
+    vocab_size=32000,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _arch_configs():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    return {
+        # Llama 3 rope scaling and tied embeddings
+        "llama": LlamaConfig(
+            **_SMALL,
+            rope_theta=500000.0,
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+        ),
+        "mistral": MistralConfig(**_SMALL, sliding_window=None, tie_word_embeddings=False),
+        "qwen2": Qwen2Config(**_SMALL, tie_word_embeddings=False),  # qkv bias
+        "qwen3": Qwen3Config(**_SMALL, head_dim=32, tie_word_embeddings=False),  # q/k norm, head_dim != hidden/heads
+    }
+
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+def write_hf_checkpoint(arch: str, path: Path, max_shard_size: str | None = None) -> Path:
+    """A random-weight checkpoint of `arch` saved by transformers, with the built-in tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    config = _arch_configs()[arch]
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # perturb everything, norms and biases included, so loading each is tested
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.05 * torch.randn_like(p))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    tiny = materialize_builtin(TINY)
+    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "chat_template.jinja"):
+        if (tiny / f).exists():
+            shutil.copy(tiny / f, path / f)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    return materialize_builtin(TINY)
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """arch -> checkpoint folder, written once per session."""
+    cache: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in cache:
+            cache[arch] = write_hf_checkpoint(arch, tmp_path_factory.mktemp(arch))
+        return cache[arch]
+
+    return get

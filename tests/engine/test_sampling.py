@@ -1,0 +1,94 @@
+"""Sampling: seeded reproducibility independent of the batch, and the effect of each parameter."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sampler import apply_top_k_top_p
+from tests.conftest import TINY
+
+PROMPTS = ["The quick brown fox", "Once upon a time", "In a galaxy far away", "Hello"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(TINY, max_model_len=256)
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_seeded_sampling_is_reproducible_across_runs(llm):
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+    first = _tokens(llm.generate(PROMPTS, params, use_tqdm=False))
+    second = _tokens(llm.generate(PROMPTS, params, use_tqdm=False))
+    assert first == second
+    assert LLM(TINY, max_model_len=256, seed=99).generate(PROMPTS, params, use_tqdm=False)[0].outputs[0].token_ids == first[0]
+
+
+def test_seeded_sample_does_not_depend_on_the_batch(llm):
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=123, max_tokens=24, ignore_eos=True)
+    alone = _tokens(llm.generate([PROMPTS[0]], seeded, use_tqdm=False))[0]
+    noise = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    in_batch = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [noise, seeded, greedy], use_tqdm=False)
+    assert in_batch[1].outputs[0].token_ids == alone
+
+
+def test_different_seeds_differ_and_unseeded_runs_vary(llm):
+    a = _tokens(llm.generate([PROMPTS[0]], SamplingParams(seed=1, max_tokens=16, ignore_eos=True), use_tqdm=False))
+    b = _tokens(llm.generate([PROMPTS[0]], SamplingParams(seed=2, max_tokens=16, ignore_eos=True), use_tqdm=False))
+    assert a != b
+    unseeded = SamplingParams(max_tokens=16, ignore_eos=True)
+    c = _tokens(llm.generate([PROMPTS[0]] * 2, unseeded, use_tqdm=False))
+    assert c[0] != c[1]
+
+
+def test_greedy_matches_temperature_zero_and_top_k_one(llm):
+    greedy = _tokens(llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False))
+    top1 = _tokens(llm.generate(PROMPTS, SamplingParams(top_k=1, seed=3, max_tokens=12, ignore_eos=True), use_tqdm=False))
+    assert greedy == top1
+
+
+def test_top_k_top_p_masks():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]])
+    masked = apply_top_k_top_p(logits, torch.tensor([2, 4]), None)
+    assert torch.isinf(masked[0, :2]).all() and torch.isfinite(masked[0, 2:]).all()
+    assert torch.isfinite(masked[1]).all()
+    probs = logits.softmax(-1)  # row 0: [.032, .087, .237, .644]
+    masked = apply_top_k_top_p(logits, None, torch.tensor([0.5, 0.85]))
+    assert torch.isfinite(masked[0]).tolist() == [False, False, False, True]  # 0.644 >= 0.5 alone
+    assert torch.isfinite(masked[1]).tolist() == [True, True, False, False]  # .644 + .237 >= .85
+    assert probs.sum() > 0
+
+
+def test_max_tokens_and_stop_token_ids(llm):
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 7 and out.outputs[0].finish_reason == "length"
+    stop_at = out.outputs[0].token_ids[3]
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, stop_token_ids=[stop_at])
+    stopped = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == out.outputs[0].token_ids[: out.outputs[0].token_ids.index(stop_at) + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_at
+
+
+def test_eos_stops_unless_ignored(llm, tiny_model_path, tmp_path):
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    tokens = llm.generate([PROMPTS[0]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    eos = tokens[3]
+    # The same model, with a config naming a token it is known to produce as EOS.
+    shutil.copytree(tiny_model_path, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "eos_token_id": eos}))
+    eos_llm = LLM(str(tmp_path / "m"), max_model_len=256)
+    stopped = eos_llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == tokens[: tokens.index(eos) + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason is None
+    ignored = eos_llm.generate([PROMPTS[0]], greedy, use_tqdm=False)[0].outputs[0]
+    assert ignored.token_ids == tokens and ignored.finish_reason == "length"
