@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, RequestOutputKind, SamplingParams
 from engine.models.builtin import materialize_builtin
 
 MODEL = "pagedserve-56m"
@@ -94,31 +94,32 @@ def run_hf_continuous(model, reqs) -> tuple[int, float]:
     return tokens, elapsed
 
 
-def step_overhead(llm: LLM, reqs, steps: int = 20) -> dict[str, float]:
-    """Mean ms per decode step with every request running, split into model and everything else."""
+def step_overhead(llm: LLM, reqs, kind: RequestOutputKind, steps: int = 20) -> dict[str, float]:
+    """Mean ms per decode step with every request running, split into the model (forward, logits,
+    sampler), scheduling + input preparation, and output processing (token bookkeeping, stop checks,
+    detokenization, RequestOutputs). FINAL_ONLY is LLM.generate's mode; DELTA is a server streaming every
+    request, which detokenizes and builds an output per request per step."""
     engine = llm.llm_engine
     runner = engine.model_runner
     for p, _ in reqs:
-        engine.add_request(p, SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True, output_kind=kind))
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
         engine.step()
     timings: dict[str, float] = defaultdict(float)
-
-    def timed(obj, name):
+    hooks = [(runner.model, "forward"), (runner.model, "compute_logits"), (runner, "sampler"), (runner, "execute"),
+             (engine.scheduler, "schedule"), (engine.scheduler, "update_from_output"), (engine, "_emit")]
+    originals = []
+    for obj, name in hooks:
         fn = getattr(obj, name)
+        originals.append((obj, name, fn))
 
-        def wrapper(*a, **k):
+        def wrapper(*a, _fn=fn, _name=name, **k):
             t = time.perf_counter()
-            r = fn(*a, **k)
-            timings[name] += time.perf_counter() - t
+            r = _fn(*a, **k)
+            timings[_name] += time.perf_counter() - t
             return r
 
         setattr(obj, name, wrapper)
-        return fn
-
-    originals = [(runner.model, "forward", timed(runner.model, "forward")),
-                 (runner.model, "compute_logits", timed(runner.model, "compute_logits")),
-                 (runner, "sampler", timed(runner, "sampler"))]
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
@@ -126,15 +127,16 @@ def step_overhead(llm: LLM, reqs, steps: int = 20) -> dict[str, float]:
     for obj, name, fn in originals:
         setattr(obj, name, fn)
     running = engine.scheduler.num_running
-    engine.abort_request([r.request_id for r in list(engine.scheduler.running)])
-    model_s = sum(timings.values())
+    engine.abort_request([r.external_id for r in list(engine.scheduler.running)])
+    ms = {k: v / steps * 1e3 for k, v in timings.items()}
+    model = ms["forward"] + ms["compute_logits"] + ms["sampler"]
     return {
         "running": running,
         "step_ms": total / steps * 1e3,
-        "model_ms": timings["forward"] / steps * 1e3,
-        "logits_ms": timings["compute_logits"] / steps * 1e3,
-        "sampler_ms": timings["sampler"] / steps * 1e3,
-        "overhead_ms": (total - model_s) / steps * 1e3,
+        "model_ms": model,
+        "schedule_ms": ms["schedule"],
+        "input_prep_ms": ms["execute"] - model,
+        "output_ms": ms["update_from_output"] + ms["_emit"],
     }
 
 
@@ -154,7 +156,7 @@ def main() -> None:
     llm = make_llm(args)
     rows.append(("(a) pagedserve LLM.generate", *run_ours(llm, reqs)))
     print(f"  {rows[-1][0]}: {rows[-1][1] / rows[-1][2]:.0f} tok/s", flush=True)
-    overhead = step_overhead(llm, reqs)
+    overheads = {kind: step_overhead(llm, reqs, kind) for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA)}
     del llm
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
@@ -174,10 +176,11 @@ def main() -> None:
         rate = tokens / seconds
         print(f"| {name} | {tokens} | {seconds:.1f} | {rate:.0f} | {ours / rate:.2f}x |")
     print()
-    print(f"Decode step with {overhead['running']} requests running: {overhead['step_ms']:.1f} ms = "
-          f"model forward {overhead['model_ms']:.1f} + logits {overhead['logits_ms']:.1f} + "
-          f"sampler {overhead['sampler_ms']:.1f} + scheduling/input prep/output {overhead['overhead_ms']:.2f} ms "
-          f"(target < 2 ms)")
+    print("| decode step, 200 running | step ms | model (forward+logits+sampler) | scheduling + input prep (target < 2 ms) | output processing |")
+    print("|---|---:|---:|---:|---:|")
+    for kind, o in overheads.items():
+        print(f"| outputs {kind.value} | {o['step_ms']:.1f} | {o['model_ms']:.1f} | "
+              f"{o['schedule_ms']:.2f} + {o['input_prep_ms']:.2f} = {o['schedule_ms'] + o['input_prep_ms']:.2f} | {o['output_ms']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,27 @@
 """pagedserve's inference engine: paged KV cache, continuous batching, prefix caching. No Ray here."""
 
+from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
+from engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.stats import EngineStats
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "LLMEngine",
+    "EngineConfig",
+    "SamplingParams",
+    "RequestOutputKind",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "RequestMetrics",
+    "EngineStats",
+    "EngineOverloadedError",
+    "EngineDeadError",
+    "RequestFailedError",
+]

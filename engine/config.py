@@ -61,3 +61,14 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
         "auto", description="`auto` is flashinfer on CUDA when installed, torch otherwise."
     )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="`fcfs` serves in arrival order; `priority` serves lower `priority` values first and "
+        "preempts the highest value (then the latest arrival) when blocks run out.",
+    )
+    max_waiting_requests: int | None = Field(
+        None,
+        ge=0,
+        description="AsyncLLM admission control: beyond this many waiting requests, `generate` raises "
+        "EngineOverloadedError at once (HTTP 429). None: unbounded.",
+    )

@@ -26,7 +26,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """Cached blocks covering the longest prefix of the request. The last token is always left
         to compute, since sampling needs its logits."""
-        if not self.enable_caching:
+        if not self.enable_caching or request.wants_prompt_logprobs:  # those need every prompt position's logits
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks = []
@@ -42,6 +42,10 @@ class KVCacheManager:
     ) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens after its computed ones (and after
         `new_computed_blocks`, the cache hit of a newly admitted request). False if the pool is short."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is not None and not new_computed_blocks:
+            if request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size:
+                return True  # most decode steps: the last block still has room
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         block_ids = self.req_to_block_ids.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -72,9 +76,11 @@ class KVCacheManager:
         garbage if its owner were preempted in the same step."""
         if not self.enable_caching:
             return
-        blocks = self.req_to_blocks[request.request_id]
         start = self._num_cached_blocks.get(request.request_id, 0)
         end = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        if end <= start:
+            return
+        blocks = self.req_to_blocks[request.request_id]
         for i in range(start, end):
             self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])
         if end > start:

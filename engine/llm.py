@@ -10,7 +10,7 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | list[int]
 
@@ -42,14 +42,29 @@ class LLM:
                     f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts; pass one, or one per prompt"
                 )
         engine = self.llm_engine
-        ids = []
-        try:
-            for prompt, params in zip(prompt_list, params_list):
-                ids.append(engine.add_request(prompt, params).request_id)
-        except Exception:
-            engine.abort_request(ids)  # all or nothing: no half-submitted batch left running
-            raise
-        return self._run(ids, use_tqdm)
+        # Validate everything before enqueuing anything: no half-submitted batch left running.
+        prepared = [
+            engine.prepare_request(prompt, params.model_copy(update={"output_kind": RequestOutputKind.FINAL_ONLY}))
+            for prompt, params in zip(prompt_list, params_list)
+        ]
+        for p in prepared:
+            engine.add_prepared(p)
+        return self._run([p.request_id for p in prepared], use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or to several,
+        through the tokenizer's chat template."""
+        if not messages:
+            raise ValueError("messages: must not be empty")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [self.llm_engine.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -57,12 +72,14 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         start, num_output_tokens = time.perf_counter(), 0
         wanted = set(ids)
-        while engine.has_unfinished_requests() and len(outputs) < len(ids):
-            for request in engine.step():
-                if request.request_id not in wanted:
+        while len(outputs) < len(ids):
+            if not engine.has_unfinished_requests():
+                raise RuntimeError("the engine has no work left, yet some requests never finished")
+            for output in engine.step():
+                if output.request_id not in wanted or not output.finished:
                     continue
-                outputs[request.request_id] = engine.make_output(request)
-                num_output_tokens += request.num_output_tokens
+                outputs[output.request_id] = output
+                num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                 bar.update(1)
                 bar.set_postfix_str(f"output {num_output_tokens / (time.perf_counter() - start):.0f} tok/s")
         bar.close()

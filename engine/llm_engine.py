@@ -1,31 +1,55 @@
-"""LLMEngine: requests in, one scheduled step at a time, finished requests out. Synchronous and
-single-threaded; `LLM` drives it for offline batches."""
+"""LLMEngine: requests in, one scheduled step at a time, RequestOutputs out. Synchronous; `LLM` drives
+it for offline batches and `AsyncLLM` from its engine thread."""
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import ModelRunner
+from engine.model_runner import LogprobEntry, ModelRunner, ModelRunnerOutput
 from engine.models.config import ModelConfig
 from engine.models.loader import resolve_model_path
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.output_processor import OutputProcessor
+from engine.outputs import Logprob, RequestOutput
 from engine.request import Request, RequestStatus
+from engine.sampler import sample_seed
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.stats import EngineStats
 from engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+_MAX_FAILED_STEPS = 3  # single-request steps failing in a row before the engine declares itself dead
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated, tokenized request, ready for `LLMEngine.add_prepared`."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int
+    cache_salt: str | None
 
 
 class LLMEngine:
+    """Not thread-safe: one thread drives it (LLM's caller, or AsyncLLM's engine thread); other threads
+    may only call `prepare_request`, `tokenize` and `apply_chat_template`."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         path = resolve_model_path(config.model, config.revision)
@@ -53,8 +77,14 @@ class LLMEngine:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
         )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._children: dict[str, list[Request]] = {}  # in-flight parent id -> its samples
+        self._parked: dict[str, list[Request]] = {}  # samples waiting for their first sibling's prefill
         self._request_counter = itertools.count()
+        self._num_steps = 0
+        self._consecutive_failed_steps = 0
 
     def _resolve_max_model_len(self) -> int:
         cfg = self.model_config
@@ -101,7 +131,21 @@ class LLMEngine:
                 raise ValueError(f"prompt: token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    def add_request(
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """Prompt token ids for a chat, through the tokenizer's chat template."""
+        if not messages:
+            raise ValueError("messages: must not be empty")
+        if self.tokenizer.chat_template is None:
+            raise ValueError(f"messages: the tokenizer of {self.config.model} has no chat template")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **kwargs
+            )
+        except Exception as e:  # jinja errors: a role the template rejects, a missing field
+            raise ValueError(f"messages: the chat template rejected them: {e}") from e
+        return list(ids)
+
+    def prepare_request(
         self,
         prompt: str | list[int],
         sampling_params: SamplingParams | None = None,
@@ -109,81 +153,194 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-    ) -> Request:
-        """Validate and enqueue a request. Raises ValueError naming the bad parameter; the engine state
-        is untouched on error."""
+    ) -> PreparedRequest:
+        """Validate and tokenize a request without touching engine state, so that any thread may call
+        it. Raises ValueError naming the bad parameter."""
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority: expected an int, got {priority!r}")
         token_ids = self.tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
             )
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        bad = sorted(t for t in params.token_ids_to_check() if t >= self.vocab_size)
         if bad:
-            raise ValueError(f"stop_token_ids: {bad} are outside the vocabulary [0, {self.vocab_size})")
-        request_id = request_id if request_id is not None else str(next(self._request_counter))
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request_id: {request_id!r} is already in flight")
-        room = self.max_model_len - len(token_ids)
-        request = Request(
-            request_id=request_id,
+            raise ValueError(f"stop_token_ids/logit_bias: token ids {bad} are outside the vocabulary [0, {self.vocab_size})")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n: {params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        return PreparedRequest(
+            request_id=request_id if request_id is not None else f"req-{next(self._request_counter)}",
+            prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=token_ids,
-            sampling_params=params,
-            max_tokens=min(params.max_tokens or room, room),
-            block_size=self.config.block_size,
-            eos_token_ids=self.eos_token_ids,
+            params=params,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             priority=priority,
             cache_salt=cache_salt,
-            prompt=prompt if isinstance(prompt, str) else None,
         )
-        self.scheduler.add_request(request)
-        return request
 
-    def abort_request(self, request_ids: str | Iterable[str]) -> list[Request]:
-        ids = [request_ids] if isinstance(request_ids, str) else request_ids
-        return self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+    def add_prepared(self, prepared: PreparedRequest) -> None:
+        """Enqueue a prepared request; engine-thread only."""
+        rid, params = prepared.request_id, prepared.params
+        if rid in self._children:
+            raise ValueError(f"request_id: {rid!r} is already in flight")
+        room = self.max_model_len - len(prepared.prompt_token_ids)
+        children = [
+            Request(
+                request_id=rid if params.n == 1 else f"{rid}#{i}",
+                prompt_token_ids=prepared.prompt_token_ids,
+                sampling_params=params,
+                max_tokens=min(params.max_tokens or room, room),
+                block_size=self.config.block_size,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=prepared.arrival_time,
+                priority=prepared.priority,
+                cache_salt=prepared.cache_salt,
+                seed=None if params.seed is None else (params.seed if i == 0 else sample_seed(params.seed, -i)),
+                parent_id=None if params.n == 1 else rid,
+                index=i,
+            )
+            for i in range(params.n)
+        ]
+        self._children[rid] = children
+        self.output_processor.add_request(rid, prepared.prompt, children)
+        self.scheduler.add_request(children[0])
+        if len(children) > 1 and self.config.enable_prefix_caching:
+            # The other samples wait for the first to compute the prompt, then share its blocks.
+            self._parked[rid] = children[1:]
+        else:
+            for child in children[1:]:
+                self.scheduler.add_request(child)
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, **kwargs) -> str:
+        """Validate and enqueue a request; returns its id. The engine state is untouched on error."""
+        prepared = self.prepare_request(prompt, sampling_params, **kwargs)
+        self.add_prepared(prepared)
+        return prepared.request_id
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Abort requests by the ids callers know; returns their final outputs. Unknown ids are ignored."""
+        return self._finish([request_ids] if isinstance(request_ids, str) else list(request_ids), RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, request_ids: list[str], status: RequestStatus, error: str | None = None) -> list[RequestOutput]:
+        requests = []
+        for rid in request_ids:
+            parked = self._parked.pop(rid, [])
+            for child in self._children.get(rid, []):
+                if child.is_finished:
+                    continue
+                child.error = error
+                if child in parked:  # never queued: nothing to free
+                    child.status, child.finished_time = status, time.monotonic()
+                else:
+                    self.scheduler.finish_requests([child.request_id], status)
+                requests.append(child)
+        return self._emit(requests)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return bool(self._children)
 
-    def step(self) -> list[Request]:
-        """Run one scheduled step; returns the requests that finished in it."""
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._children)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; returns outputs for the requests it advanced (per their output_kind)."""
         so = self.scheduler.schedule()
+        self._num_steps += 1
         if so.is_empty:
+            self.model_runner.release(so.released_request_ids)
             return []
-        out = self.model_runner.execute(so, self.scheduler.kv_cache_manager)
+        out, failed = self._execute_isolated(so)
         for request, entry in zip(so.requests, out.logprobs):
             if entry is not None:
-                ids, values, rank = entry
-                token_logprobs = {ids[0]: Logprob(values[0], rank)}  # the sampled token first
-                for top_rank, (t, v) in enumerate(zip(ids[1:], values[1:]), start=1):
-                    token_logprobs.setdefault(t, Logprob(v, top_rank))
-                request.logprobs.append(token_logprobs)
-                request.cumulative_logprob += values[0]
-        return self.scheduler.update_from_output(so, out.sampled_token_ids)
+                request.logprobs.append(_logprob_dict(entry))
+                request.cumulative_logprob += entry[1][0]
+        for j, entries in out.prompt_logprobs.items():
+            so.requests[j].prompt_logprobs.extend(_logprob_dict(e) for e in entries)
+        updated = self.scheduler.update_from_output(so, out.sampled_token_ids)
+        outputs = self._finish(failed, RequestStatus.FINISHED_ERROR, error="the engine failed while running this request")
+        self._release_parked()
+        return outputs + self._emit(updated)
 
-    def make_output(self, request: Request) -> RequestOutput:
-        """A cumulative RequestOutput: all tokens so far, text decoded in one go."""
-        completion = CompletionOutput(
-            index=0,
-            text=self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True),
-            token_ids=list(request.output_token_ids),
-            cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
-            logprobs=request.logprobs,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
+    def _emit(self, updated: list[Request]) -> list[RequestOutput]:
+        stopped = self.output_processor.detokenize(updated)
+        for request in stopped:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        outputs = self.output_processor.make_outputs(updated)
+        for output in outputs:
+            if output.finished:
+                self._children.pop(output.request_id, None)
+                self._parked.pop(output.request_id, None)
+        return outputs
+
+    def _execute_isolated(self, so: SchedulerOutput) -> tuple[ModelRunnerOutput, list[str]]:
+        """Run the step; if it raises, run each request alone so that only the culprits fail. Raises
+        when the engine itself looks broken: every request of a batch fails alone too, or steps of a
+        single request keep failing."""
+        kv = self.scheduler.kv_cache_manager
+        try:
+            out = self.model_runner.execute(so, kv)
+            self._consecutive_failed_steps = 0
+            return out, []
+        except Exception:
+            logger.exception("step of %d requests failed; retrying them one by one", len(so.requests))
+        merged = ModelRunnerOutput([None] * len(so.requests), [None] * len(so.requests), {})
+        failed, errors = [], []
+        for j, (request, n) in enumerate(zip(so.requests, so.num_scheduled_tokens)):
+            try:
+                single = self.model_runner.execute(SchedulerOutput([request], [n]), kv)
+            except Exception as e:
+                failed.append(request.external_id)
+                errors.append(e)
+                so.num_scheduled_tokens[j] = 0
+                continue
+            merged.sampled_token_ids[j] = single.sampled_token_ids[0]
+            merged.logprobs[j] = single.logprobs[0]
+            if 0 in single.prompt_logprobs:
+                merged.prompt_logprobs[j] = single.prompt_logprobs[0]
+        if len(failed) < len(so.requests):
+            self._consecutive_failed_steps = 0
+        else:
+            self._consecutive_failed_steps += 1
+            if len(so.requests) > 1 or self._consecutive_failed_steps >= _MAX_FAILED_STEPS:
+                raise errors[0]
+        return merged, failed
+
+    def _release_parked(self) -> None:
+        for rid, waiting in list(self._parked.items()):
+            first = self._children[rid][0]
+            if first.is_finished or first.num_computed_tokens >= first.num_prompt_tokens:
+                for child in reversed(waiting):  # they arrived before anything now waiting
+                    self.scheduler.add_request(child, front=True)
+                del self._parked[rid]
+
+    def get_stats(self) -> EngineStats:
+        s, kv = self.scheduler, self.scheduler.kv_cache_manager
+        return EngineStats(
+            kv_cache_usage=kv.usage,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting + sum(map(len, self._parked.values())),
+            num_kv_blocks=kv.block_pool.num_usable_blocks,
+            block_size=self.config.block_size,
+            num_preemptions=s.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            prompt_tokens=s.num_prompt_tokens,
+            generation_tokens=s.num_generation_tokens,
+            num_requests_finished=s.num_finished,
+            num_steps=self._num_steps,
         )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=request.is_finished,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-        )
+
+
+def _logprob_dict(entry: LogprobEntry) -> dict[int, Logprob]:
+    ids, values, rank = entry
+    result = {ids[0]: Logprob(values[0], rank)}  # the sampled (or actual) token first
+    for top_rank, (t, v) in enumerate(zip(ids[1:], values[1:]), start=1):
+        result.setdefault(t, Logprob(v, top_rank))
+    return result
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -4,17 +4,17 @@ the attention backend, computes logits only at positions that sample, and sample
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from engine.block_table import BlockTable
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.models.config import ModelConfig
 from engine.models.loader import build_model
-from engine.sampler import Sampler, SamplingMetadata, sample_seed
+from engine.sampler import Sampler, build_sampling_metadata, gather_logprobs
 from engine.scheduler import SchedulerOutput
 from kernels.attention import AttentionMetadata, get_attention_backend
 from kernels.cpu.linear import pack_linear_layers
@@ -22,13 +22,18 @@ from kernels.cpu.linear import pack_linear_layers
 _CPU_KV_CACHE_GB = 2.0
 
 
+# A logprob entry: (token ids, logprobs, rank of the first token). The first token is the sampled (or,
+# for prompt logprobs, the actual next) token; the top-k ones follow.
+LogprobEntry = tuple[list[int], list[float], int]
+
+
 @dataclass
 class ModelRunnerOutput:
     # Aligned with SchedulerOutput.requests; None where a prefill chunk does not reach the end.
     sampled_token_ids: list[int | None]
-    # For requests asking for logprobs: (token ids, logprobs, rank of the sampled token); the sampled
-    # token comes first, then the top ones.
-    logprobs: list[tuple[list[int], list[float], int] | None]
+    logprobs: list[LogprobEntry | None]
+    # Per scheduled request asking for them: prompt logprobs of the positions computed this step.
+    prompt_logprobs: dict[int, list[LogprobEntry]]
 
 
 class ModelRunner:
@@ -66,6 +71,7 @@ class ModelRunner:
         for layer in self.model.attention_layers:
             layer.kv_cache = torch.zeros(self.attn_backend.kv_cache_shape(), dtype=dtype, device=device)
         self.sampler = Sampler(config.seed)
+        self.block_table = BlockTable(config.max_num_seqs, -(-max_model_len // self.block_size))
 
     def _bytes_per_block(self) -> int:
         cfg = self.model_config
@@ -97,16 +103,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
+        self.release(so.released_request_ids)
         # Decodes first: backends batch the leading single-token sequences together.
         order = sorted(range(len(so.requests)), key=lambda j: so.num_scheduled_tokens[j] != 1)
         input_ids: list[int] = []
-        starts, q_lens, block_rows = [], [], []
-        sample_rows: list[int] = []  # batch rows that sample, in batch order
-        sample_requests: list[int] = []  # their index in so.requests
-        temperatures, top_ks, top_ps, seeds = [], [], [], {}
-        max_logprobs = None
-        vocab = self.model_config.vocab_size
-        for row, j in enumerate(order):
+        starts, q_lens, rows, widths = [], [], [], []
+        samplers: list[int] = []  # index in so.requests of each request that samples, in batch order
+        logit_rows: list[int] = []  # flat token rows whose logits are needed: samplers first
+        prompt_rows: list[tuple[int, int, int, int]] = []  # (index in so.requests, first position, count, row)
+        num_tokens = 0
+        for j in order:
             request, n = so.requests[j], so.num_scheduled_tokens[j]
             start = request.num_computed_tokens
             if n == 1:
@@ -115,51 +121,59 @@ class ModelRunner:
                 input_ids.extend(request.all_token_ids[start : start + n])
             starts.append(start)
             q_lens.append(n)
-            block_rows.append(kv.get_block_ids(request))
+            row, width = self.block_table.sync(request.request_id, kv.get_block_ids(request))
+            rows.append(row)
+            widths.append(width)
             if start + n == request.num_tokens:
-                params = request.sampling_params
-                sample_rows.append(row)
-                sample_requests.append(j)
-                temperatures.append(0.0 if params.greedy else params.temperature)
-                top_ks.append(params.top_k if params.top_k > 0 else vocab)
-                top_ps.append(params.top_p)
-                if params.seed is not None and not params.greedy:
-                    seeds[len(sample_rows) - 1] = sample_seed(params.seed, request.num_output_tokens)
-                if params.logprobs is not None:
-                    max_logprobs = max(max_logprobs or 0, params.logprobs)
+                samplers.append(j)
+                logit_rows.append(num_tokens + n - 1)
+            if request.wants_prompt_logprobs:
+                # Position p predicts prompt token p + 1; skip positions already done before a preemption.
+                first = max(start, len(request.prompt_logprobs) - 1)
+                last = min(start + n, request.num_prompt_tokens - 1)
+                if last > first:
+                    prompt_rows.append((j, first, last - first, num_tokens + first - start))
+            num_tokens += n
+        num_sampled = len(logit_rows)
+        for _, _, count, row in prompt_rows:
+            logit_rows.extend(range(row, row + count))
 
-        md, positions = self._prepare_inputs(starts, q_lens, block_rows)
+        md, positions = self._prepare_inputs(starts, q_lens, rows, max(widths))
         self.attn_backend.plan(md)
         input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids_t, positions, self.attn_backend)
 
-        sampled: list[int | None] = [None] * len(so.requests)
-        logprobs: list[tuple[list[int], list[float], int] | None] = [None] * len(so.requests)
-        if not sample_rows:
-            return ModelRunnerOutput(sampled, logprobs)
-        logits_index = torch.tensor(md.query_start_loc_cpu, dtype=torch.long)[1:][sample_rows] - 1
-        logits = self.model.compute_logits(hidden[logits_index.to(self.device)])
-        sampling = SamplingMetadata(
-            temperature=torch.tensor(temperatures, device=self.device),
-            all_greedy=not any(temperatures),
-            top_k=torch.tensor(top_ks, device=self.device) if any(k < vocab for k in top_ks) else None,
-            top_p=torch.tensor(top_ps, device=self.device) if any(p < 1.0 for p in top_ps) else None,
-            seeds=seeds,
-            max_num_logprobs=max_logprobs,
-        )
-        out = self.sampler(logits, sampling)
-        for j, token in zip(sample_requests, out.token_ids.tolist()):
-            sampled[j] = token
-        if out.logprobs is not None:
-            ids, values, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()
-            for k, j in enumerate(sample_requests):
-                want = so.requests[j].sampling_params.logprobs
-                if want is not None:
-                    logprobs[j] = (ids[k][: 1 + want], values[k][: 1 + want], ranks[k])
-        return ModelRunnerOutput(sampled, logprobs)
+        out = ModelRunnerOutput([None] * len(so.requests), [None] * len(so.requests), {})
+        if not logit_rows:
+            return out
+        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        if samplers:
+            requests = [so.requests[j] for j in samplers]
+            sampled = self.sampler(logits[:num_sampled], build_sampling_metadata(requests, self.model_config.vocab_size, self.device))
+            for j, token in zip(samplers, sampled.token_ids.tolist()):
+                out.sampled_token_ids[j] = token
+            if sampled.logprobs is not None:
+                entries = _logprob_entries(sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_ranks)
+                for j, entry in zip(samplers, entries):
+                    want = so.requests[j].sampling_params.logprobs
+                    if want is not None:
+                        out.logprobs[j] = (entry[0][: 1 + want], entry[1][: 1 + want], entry[2])
+        offset = num_sampled
+        for j, first, count, _ in prompt_rows:
+            request = so.requests[j]
+            targets = torch.tensor(request.prompt_token_ids[first + 1 : first + 1 + count], device=self.device)
+            k = request.sampling_params.prompt_logprobs
+            out.prompt_logprobs[j] = _logprob_entries(*gather_logprobs(logits[offset : offset + count], targets, k))
+            offset += count
+        return out
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget per-request state of requests that left the running set."""
+        for request_id in request_ids:
+            self.block_table.release(request_id)
 
     def _prepare_inputs(
-        self, starts: list[int], q_lens: list[int], block_rows: list[list[int]]
+        self, starts: list[int], q_lens: list[int], rows: list[int], width: int
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         """Attention metadata and token positions, vectorised over the batch."""
         num_seqs = len(q_lens)
@@ -173,11 +187,8 @@ class ModelRunner:
         # Position of every token: its sequence's start plus its offset within the chunk.
         token_seq = np.repeat(np.arange(num_seqs), q_lens_np)
         positions = np.arange(num_tokens) - query_start_loc[token_seq] + starts_np[token_seq]
-        row_lens = np.fromiter((len(b) for b in block_rows), dtype=np.int64, count=num_seqs)
-        block_tables = np.zeros((num_seqs, int(row_lens.max())), dtype=np.int64)
-        block_tables[np.arange(block_tables.shape[1])[None, :] < row_lens[:, None]] = np.fromiter(
-            chain.from_iterable(block_rows), dtype=np.int64, count=int(row_lens.sum())
-        )
+        # Columns past a request's blocks may hold stale ids; attention never reads past seq_lens.
+        block_tables = self.block_table.table[rows, :width]
         bs = self.block_size
         slot_mapping = block_tables[token_seq, positions // bs] * bs + positions % bs
         dev = self.device
@@ -192,3 +203,7 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
         )
         return md, torch.from_numpy(positions).to(dev)
+
+
+def _logprob_entries(ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor) -> list[LogprobEntry]:
+    return list(zip(ids.tolist(), values.tolist(), ranks.tolist()))

@@ -12,8 +12,10 @@ class Logprob:
     decoded_token: str | None = None
 
 
-# One dict per generated token: token id -> Logprob (the sampled token and the top-k ones).
+# One dict per generated token: token id -> Logprob (the sampled token first, then the top-k ones).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token; the first is None (nothing predicts it).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass(slots=True)
@@ -23,12 +25,42 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: SampleLogprobs | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop token id or string, when one ended it
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """time.monotonic() timestamps of the engine's process; intervals derive from them."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_generation_tokens: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    @property
+    def mean_inter_token_latency(self) -> float | None:
+        if self.num_generation_tokens < 2 or self.first_token_time is None or self.last_token_time is None:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
 
 
 @dataclass(slots=True)
@@ -39,4 +71,41 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None
+    metrics: RequestMetrics | None = None
+    error: str | None = None  # set when this request failed on its own (finish_reason "error")
+
+
+def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
+    """Coalesce consecutive delta outputs of one request into one, as if they had come in one step."""
+    if len(outputs) == 1:
+        return outputs[0]
+    merged: dict[int, CompletionOutput] = {}
+    for out in outputs:
+        for c in out.outputs:
+            prev = merged.get(c.index)
+            if prev is None:
+                merged[c.index] = CompletionOutput(
+                    c.index, c.text, list(c.token_ids), c.cumulative_logprob,
+                    None if c.logprobs is None else list(c.logprobs), c.finish_reason, c.stop_reason,
+                )
+                continue
+            prev.text += c.text
+            prev.token_ids.extend(c.token_ids)
+            if c.logprobs is not None:
+                prev.logprobs = (prev.logprobs or []) + c.logprobs
+            prev.cumulative_logprob = c.cumulative_logprob
+            prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
+    last = outputs[-1]
+    prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
+    return RequestOutput(
+        request_id=last.request_id,
+        prompt=last.prompt,
+        prompt_token_ids=last.prompt_token_ids,
+        outputs=sorted(merged.values(), key=lambda c: c.index),
+        finished=last.finished,
+        num_cached_tokens=last.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs,
+        metrics=last.metrics,
+        error=last.error,
+    )

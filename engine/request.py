@@ -1,5 +1,6 @@
 """A request's state inside the engine: its tokens, how many of them have KV computed, its blocks'
-hashes, and its lifecycle status."""
+hashes, its lifecycle status and timings. With n > 1 each sample is its own Request (a child), all
+sharing the parent's prompt; the output processor reassembles them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash, hash_block_chain
-from engine.outputs import SampleLogprobs
+from engine.outputs import PromptLogprobs, SampleLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -20,16 +21,18 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
 
     @property
     def finished(self) -> bool:
         return self >= RequestStatus.FINISHED_STOPPED
 
 
-_FINISH_REASONS = {
+FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -44,7 +47,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     cache_salt: str | None = None
-    prompt: str | None = None
+    seed: int | None = None  # this sample's seed (derived per child when n > 1)
+    parent_id: str | None = None  # the request the caller knows; None when it is this one
+    index: int = 0  # which of the parent's n samples
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -55,13 +60,22 @@ class Request:
     block_hashes: list[BlockHash] = field(init=False)
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float = 0.0
+    prompt_logprobs: PromptLogprobs | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
+    # Timings, time.monotonic() of this process.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.block_hashes = hash_block_chain(self.all_token_ids, self.block_size, self.cache_salt)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first prompt token has no context to be predicted from
 
     @property
     def num_tokens(self) -> int:
@@ -77,11 +91,21 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status >= 3  # RequestStatus.FINISHED_STOPPED; a plain int compare: this runs per token
 
     @property
     def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self.status)
+        return FINISH_REASONS.get(self.status)
+
+    @property
+    def external_id(self) -> str:
+        return self.parent_id if self.parent_id is not None else self.request_id
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Still owes prompt logprobs: its prompt positions need logits, so it cannot skip them via
+        the prefix cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -1,24 +1,47 @@
 """Batched sampling over requests with different parameters: one pass of tensor ops per step, never a
-Python loop over the vocabulary. Seeded requests draw their noise from a generator keyed by
-(seed, output index), so a seeded sample depends on nothing else in the batch, nor on preemption."""
+Python loop over the vocabulary. Order, as in vLLM: raw logprobs; logit bias and min_tokens masks;
+repetition/frequency/presence penalties; then greedy argmax, or temperature, min_p, top-k/top-p and a
+draw. Seeded requests draw their noise from a generator keyed by (seed, output index), so a seeded
+sample depends on nothing else in the batch, nor on preemption."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from engine.request import Request
+
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) over the seed space
+
+
+def sample_seed(seed: int, output_index: int) -> int:
+    return (seed * _SEED_MIX + output_index) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+@dataclass
+class Penalties:
+    rows: torch.Tensor  # rows of the batch that carry penalties
+    presence: torch.Tensor  # [rows]
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+    output_tokens: torch.Tensor  # [rows, longest], padded with vocab_size
+    prompt_tokens: torch.Tensor  # [rows, longest], padded with vocab_size
 
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor  # [B] float32; 0 marks a greedy row
+    temperature: torch.Tensor | None  # [B] float32, 0 marks a greedy row; None when all rows are greedy
     all_greedy: bool
     top_k: torch.Tensor | None  # [B] int64, vocab size where disabled; None when no row uses it
-    top_p: torch.Tensor | None  # [B] float32, 1.0 where disabled; None when no row uses it
-    seeds: dict[int, int]  # row -> per-sample seed for this token
+    top_p: torch.Tensor | None  # [B], 1.0 where disabled
+    min_p: torch.Tensor | None  # [B], 0.0 where disabled
+    seeds: dict[int, int]  # row -> seed of this token's noise
     max_num_logprobs: int | None  # top logprobs to return (0: the sampled token's only); None: none
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, biases
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, token ids masked to -inf
+    penalties: Penalties | None = None
 
 
 @dataclass
@@ -31,8 +54,93 @@ class SamplerOutput:
     sampled_ranks: torch.Tensor | None = None
 
 
-def sample_seed(seed: int, output_index: int) -> int:
-    return (seed * _SEED_MIX + output_index) & 0x7FFF_FFFF_FFFF_FFFF
+def build_sampling_metadata(requests: Sequence[Request], vocab_size: int, device: torch.device) -> SamplingMetadata:
+    rows, seeds = [], {}
+    max_logprobs = None
+    bias_rows, bias_tokens, bias_values = [], [], []
+    banned_rows, banned_tokens = [], []
+    penalized: list[int] = []
+    for row, request in enumerate(requests):
+        params = request.sampling_params
+        rows.append(params.sampling_row)
+        if not params.needs_row_extras:  # the common case stops here
+            continue
+        if request.seed is not None and not params.greedy:
+            seeds[row] = sample_seed(request.seed, request.num_output_tokens)
+        if params.logprobs is not None:
+            max_logprobs = max(max_logprobs or 0, params.logprobs)
+        if params.logit_bias:
+            for token, bias in params.logit_bias.items():
+                bias_rows.append(row)
+                bias_tokens.append(token)
+                bias_values.append(bias)
+        if request.num_output_tokens < params.min_tokens:
+            stops = params.stop_token_ids + ([] if params.ignore_eos else list(request.eos_token_ids))
+            banned_rows.extend([row] * len(stops))
+            banned_tokens.extend(stops)
+        if params.has_penalties:
+            penalized.append(row)
+
+    def tensor(values, dtype=None):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    all_greedy = not any(r[0] for r in rows)
+    if all_greedy:  # the common offline case needs none of the per-row tensors
+        temperature = top_k = top_p = min_p = None
+    else:
+        table = torch.tensor(rows, dtype=torch.float32)  # [B, 4], built on the CPU in one call
+        temperature, k, p, m = table.unbind(1)
+        temperature = temperature.to(device)
+        top_k = torch.where(k > 0, k, vocab_size).long().to(device) if (k > 0).any() else None
+        top_p = p.to(device) if (p < 1).any() else None
+        min_p = m.to(device) if (m > 0).any() else None
+    return SamplingMetadata(
+        temperature=temperature,
+        all_greedy=all_greedy,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seeds=seeds,
+        max_num_logprobs=max_logprobs,
+        logit_bias=(tensor(bias_rows), tensor(bias_tokens), tensor(bias_values, torch.float32)) if bias_rows else None,
+        banned=(tensor(banned_rows), tensor(banned_tokens)) if banned_rows else None,
+        penalties=_penalties([requests[r] for r in penalized], penalized, vocab_size, device) if penalized else None,
+    )
+
+
+def _penalties(requests: list[Request], rows: list[int], vocab_size: int, device: torch.device) -> Penalties:
+    def padded(seqs: list[list[int]]) -> torch.Tensor:
+        out = torch.full((len(seqs), max(1, max(map(len, seqs)))), vocab_size, dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            out[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        return out.to(device)
+
+    params = [r.sampling_params for r in requests]
+    return Penalties(
+        rows=torch.tensor(rows, device=device),
+        presence=torch.tensor([p.presence_penalty for p in params], device=device),
+        frequency=torch.tensor([p.frequency_penalty for p in params], device=device),
+        repetition=torch.tensor([p.repetition_penalty for p in params], device=device),
+        output_tokens=padded([r.output_token_ids for r in requests]),
+        prompt_tokens=padded([r.prompt_token_ids for r in requests]),
+    )
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
+    """In place, on the penalized rows. Frequency and presence count generated tokens only (OpenAI);
+    repetition covers prompt and output tokens (vLLM, after the CTRL paper)."""
+    vocab = logits.shape[1]
+    rows = logits[p.rows]
+    counts = torch.zeros(rows.shape[0], vocab + 1, device=logits.device)  # last column: padding
+    counts.scatter_add_(1, p.output_tokens, torch.ones_like(p.output_tokens, dtype=counts.dtype))
+    counts = counts[:, :vocab]
+    seen = torch.zeros(rows.shape[0], vocab + 1, dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, p.prompt_tokens, True)
+    seen = seen[:, :vocab] | (counts > 0)
+    repetition = p.repetition[:, None]
+    rows = torch.where(seen, torch.where(rows > 0, rows / repetition, rows * repetition), rows)
+    rows -= p.frequency[:, None] * counts + p.presence[:, None] * (counts > 0)
+    logits[p.rows] = rows
 
 
 class Sampler:
@@ -41,21 +149,34 @@ class Sampler:
         self._row_generator = torch.Generator()
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()
+        raw = logits.float()
+        logits = raw
+        if md.logit_bias is not None or md.banned is not None or md.penalties is not None:
+            logits = raw.clone()
+            if md.logit_bias is not None:
+                rows, tokens, biases = md.logit_bias
+                logits.index_put_((rows, tokens), biases, accumulate=True)
+            if md.penalties is not None:
+                apply_penalties(logits, md.penalties)
+            if md.banned is not None:
+                logits[md.banned] = float("-inf")
         greedy = logits.argmax(dim=-1)
         if md.all_greedy:
             tokens = greedy
         else:
             rows = (md.temperature > 0).nonzero().squeeze(1)
-            sampled = self._sample(logits[rows], md, rows)
-            tokens = greedy.index_copy(0, rows, sampled)
+            tokens = greedy.index_copy(0, rows, self._sample(logits[rows], md, rows))
         out = SamplerOutput(token_ids=tokens)
         if md.max_num_logprobs is not None:
-            self._gather_logprobs(logits, tokens, md.max_num_logprobs, out)
+            out.logprob_token_ids, out.logprobs, out.sampled_ranks = gather_logprobs(raw, tokens, md.max_num_logprobs)
         return out
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
         logits = logits / md.temperature[rows, None]
+        if md.min_p is not None:
+            probs = logits.softmax(dim=-1)
+            threshold = md.min_p[rows, None] * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
         top_k = md.top_k[rows] if md.top_k is not None else None
         top_p = md.top_p[rows] if md.top_p is not None else None
         if top_k is not None or top_p is not None:
@@ -70,23 +191,20 @@ class Sampler:
                 noise[position[row]].exponential_(generator=self._row_generator)
         return probs.div_(noise).argmax(dim=-1)
 
-    @staticmethod
-    def _gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int, out: SamplerOutput) -> None:
-        logprobs = logits.log_softmax(dim=-1)
-        sampled = logprobs.gather(1, tokens[:, None])
-        out.sampled_ranks = (logprobs > sampled).sum(dim=-1) + 1
-        ids = tokens[:, None]
-        values = sampled
-        if k > 0:
-            top_values, top_ids = logprobs.topk(k, dim=-1)
-            ids = torch.cat([ids, top_ids], dim=1)
-            values = torch.cat([values, top_values], dim=1)
-        out.logprob_token_ids, out.logprobs = ids, values
+
+def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """Log-softmax of `logits` at `tokens` and at each row's top k, and the rank of `tokens`."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    ids, values = tokens[:, None], chosen
+    if k > 0:
+        top_values, top_ids = logprobs.topk(k, dim=-1)
+        ids, values = torch.cat([ids, top_ids], dim=1), torch.cat([values, top_values], dim=1)
+    return ids, values, ranks
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Mask logits outside each row's top-k and top-p (nucleus) sets with -inf."""
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     vocab = logits.shape[-1]

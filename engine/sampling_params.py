@@ -1,11 +1,23 @@
-"""SamplingParams: the one place where a request's sampling parameters are validated."""
+"""SamplingParams: the one place where a request's sampling parameters are validated.
+
+Checks that need the model (token ids inside the vocabulary, lengths against max_model_len) happen
+when the engine accepts the request; everything else happens here, at construction."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import enum
+from functools import cached_property
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily, as in vLLM
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = "cumulative"  # every output carries everything generated so far
+    DELTA = "delta"  # every output carries only what is new since the previous one
+    FINAL_ONLY = "final_only"  # one output, when the request finishes
 
 
 class SamplingParams(BaseModel):
@@ -14,25 +26,74 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    n: int = Field(1, ge=1, description="Independent samples of the prompt; they share its KV blocks.")
     temperature: float = Field(1.0, ge=0.0, description="0 (or below 1e-5) means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass, in (0, 1].")
     top_k: int = Field(0, ge=-1, description="Keep the k most likely tokens; 0 or -1 keeps all.")
-    seed: int | None = Field(None, description="Per-request seed: same seed, same samples, whatever the batch.")
-    max_tokens: int | None = Field(
-        16, ge=1, description="Most tokens to generate; None runs to max_model_len."
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x the top probability.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted once from tokens already generated.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted per occurrence in the output.")
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, le=10.0, description="Divides positive (multiplies negative) logits of prompt and output tokens."
     )
+    logit_bias: dict[int, float] | None = Field(None, description="Token id -> bias in [-100, 100] added to its logit.")
+    seed: int | None = Field(None, description="Per-request seed: same seed, same samples, whatever the batch.")
+    max_tokens: int | None = Field(16, ge=1, description="Most tokens to generate; None runs to max_model_len.")
+    min_tokens: int = Field(0, ge=0, description="EOS, stop tokens and stop strings are ignored before this many tokens.")
     ignore_eos: bool = Field(False, description="Keep generating past the EOS token.")
+    stop: list[str] = Field(default_factory=list, description="Strings that end the output (not included).")
     stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end the request.")
+    include_stop_str_in_output: bool = Field(False, description="Keep the matched stop string in the text.")
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
     logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="Return the sampled token's logprob and this many top ones."
     )
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Return each prompt token's logprob and this many top ones."
+    )
+    detokenize: bool = Field(True, description="Produce text; False returns token ids only.")
+    output_kind: RequestOutputKind = Field(RequestOutputKind.CUMULATIVE, description="What each output carries.")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value):
+        return [value] if isinstance(value, str) else (value or [])
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
+        if any(not s for s in self.stop):
+            raise ValueError("stop: stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative token ids")
+            raise ValueError("stop_token_ids: must be non-negative token ids")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: {self.min_tokens} exceeds max_tokens={self.max_tokens}")
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias: token {token} -> {bias}; ids must be >= 0 and biases in [-100, 100]")
         return self
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    # Derived once per request (the model is frozen), read by the sampler for every token.
+    @cached_property
+    def sampling_row(self) -> tuple[float, float, float, float]:
+        """(temperature, 0 for greedy; top_k, <= 0 for off; top_p; min_p)."""
+        return (0.0 if self.greedy else self.temperature, float(self.top_k), self.top_p, self.min_p)
+
+    @cached_property
+    def needs_row_extras(self) -> bool:
+        """Anything beyond sampling_row: a seed, logprobs, logit bias, min_tokens or penalties."""
+        return (
+            (self.seed is not None and not self.greedy) or self.logprobs is not None or bool(self.logit_bias)
+            or self.min_tokens > 0 or self.has_penalties
+        )
+
+    def token_ids_to_check(self) -> set[int]:
+        """Token ids the engine must find inside the vocabulary."""
+        return set(self.stop_token_ids) | set(self.logit_bias or ())

@@ -9,6 +9,7 @@ later (usually cheaply, from the prefix cache)."""
 from __future__ import annotations
 
 import heapq
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -23,6 +24,9 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Requests that left the running set since the previous step (finished or preempted): the model
+    # runner drops its per-request state for them.
+    released_request_ids: list[str] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -110,11 +114,20 @@ class Scheduler:
         self.waiting = _PriorityQueue() if policy == "priority" else _FCFSQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self._released: list[str] = []
+        # Counters since start.
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_finished = 0
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, front: bool = False) -> None:
+        """Queue a request; `front` puts it ahead of the waiting ones (it arrived before them)."""
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        if front:
+            self.waiting.prepend(request)
+        else:
+            self.waiting.add(request)
 
     @property
     def num_running(self) -> int:
@@ -128,7 +141,8 @@ class Scheduler:
         return bool(self.requests)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(released_request_ids=self._released)
+        self._released = []
         budget = self.max_num_batched_tokens
         kv = self.kv_cache_manager
 
@@ -164,7 +178,9 @@ class Scheduler:
             self.waiting.pop()
             if request.num_cached_tokens < 0:  # first admission; a resumed request is not a new query
                 request.num_cached_tokens = num_hit
+                request.first_scheduled_time = time.monotonic()
                 kv.record_prefix_hit(request, num_hit)
+                self.num_prompt_tokens += request.num_prompt_tokens
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -181,6 +197,7 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv_cache_manager.free(request)
+        out.released_request_ids.append(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -201,32 +218,43 @@ class Scheduler:
         self, out: SchedulerOutput, sampled_token_ids: list[int | None]
     ) -> list[Request]:
         """Advance each scheduled request by its computed tokens and append its sampled token (None
-        for a prefill chunk that does not reach the end). Returns the requests that finished."""
+        for a prefill chunk that does not reach the end, or a request that failed). Returns the
+        requests that got a token, finished ones included."""
         kv = self.kv_cache_manager
-        finished = []
+        block_size = kv.block_size
+        updated = []
+        now = time.monotonic()
         for request, num_tokens, token in zip(out.requests, out.num_scheduled_tokens, sampled_token_ids):
-            if request.is_finished:  # aborted while the step ran
+            if request.is_finished:  # aborted or failed while the step ran
                 continue
-            request.num_computed_tokens += num_tokens
-            kv.cache_computed_blocks(request)
+            computed = request.num_computed_tokens + num_tokens
+            request.num_computed_tokens = computed
+            if computed // block_size != (computed - num_tokens) // block_size:  # a block just filled
+                kv.cache_computed_blocks(request)
             if token is None:
                 continue
             request.append_output_token(token)
+            self.num_generation_tokens += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
             status = self._check_stop(request, token)
             if status is not None:
                 self._finish(request, status)
-                finished.append(request)
-        return finished
+            updated.append(request)
+        return updated
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
-        if not params.ignore_eos and token in request.eos_token_ids:
-            request.stop_reason = None
-            return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                request.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if params.stop_token_ids and token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if num_output >= request.max_tokens or len(request.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -249,5 +277,8 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         request.status = status
+        request.finished_time = time.monotonic()
         self.kv_cache_manager.free(request)
+        self._released.append(request.request_id)
         del self.requests[request.request_id]
+        self.num_finished += 1

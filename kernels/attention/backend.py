@@ -22,7 +22,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]  # [num_seqs]
     query_start_loc: torch.Tensor  # int32, on device
     seq_lens: torch.Tensor  # int32, on device
-    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks], padded with the null block 0
+    # int32 [num_seqs, max_blocks]; entries past a sequence's blocks hold some valid block id (the null
+    # block or a stale one): backends may read them only under a mask.
+    block_tables: torch.Tensor
     slot_mapping: torch.Tensor  # int64 [num_tokens]
 
     @property

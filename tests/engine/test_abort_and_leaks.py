@@ -28,16 +28,16 @@ def test_mixed_finish_and_abort_frees_everything(engine):
     for i in range(30):
         prompt = [1] + (shared if i % 3 == 0 else []) + [rng.randrange(3, 32000) for _ in range(rng.randrange(1, 120))]
         params = SamplingParams(temperature=rng.choice([0, 1.0]), max_tokens=rng.randrange(1, 60), ignore_eos=True)
-        ids.append(engine.add_request(prompt, params).request_id)
+        ids.append(engine.add_request(prompt, params))
     finished, aborted, steps = set(), set(), 0
     while engine.has_unfinished_requests():
-        finished.update(r.request_id for r in engine.step())
+        finished.update(o.request_id for o in engine.step() if o.finished)
         steps += 1
         if steps % 3 == 0:  # abort one running and one waiting request now and then
             for queue in (engine.scheduler.running, list(engine.scheduler.waiting)):
                 if queue:
                     victim = rng.choice(queue)
-                    aborted.update(r.request_id for r in engine.abort_request(victim.request_id))
+                    aborted.update(o.request_id for o in engine.abort_request(victim.external_id))
         assert steps < 2000
     assert finished | aborted == set(ids) and not finished & aborted
     assert aborted and finished
@@ -46,19 +46,18 @@ def test_mixed_finish_and_abort_frees_everything(engine):
 
 
 def test_abort_unknown_or_finished_request_is_a_no_op(engine):
-    request = engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    request_id = engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.abort_request([request.request_id, "never-existed"]) == []
+    assert engine.abort_request([request_id, "never-existed"]) == []
     assert _pool_is_free(engine)
 
 
 def test_aborted_request_reports_abort(engine):
-    request = engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=50, ignore_eos=True))
+    request_id = engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     engine.step()
-    [aborted] = engine.abort_request(request.request_id)
-    out = engine.make_output(aborted)
+    [out] = engine.abort_request(request_id)
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert len(out.outputs[0].token_ids) == 2
     assert _pool_is_free(engine)

@@ -1,0 +1,239 @@
+"""AsyncLLM: the engine behind an asyncio API, for servers.
+
+The step loop runs in a dedicated thread, so the event loop stays responsive while the engine is
+saturated (torch releases the GIL during the heavy kernels). Callers never touch engine state: `generate`
+validates and tokenizes on the caller's thread, then hands the request to the engine thread through a
+command queue; the engine thread hands outputs back with one `call_soon_threadsafe` per step and event
+loop. A stream whose consumer lags gets its deltas merged, never one message per token.
+
+Failure model: a request that fails on its own (while sampling it, say) ends with RequestFailedError and
+the engine goes on; an error the engine cannot pin on requests is fatal: every in-flight stream fails
+with EngineDeadError at once, `is_healthy()` turns False, and new requests are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
+from engine.llm_engine import LLMEngine, PreparedRequest
+from engine.outputs import RequestOutput, merge_deltas
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.5  # the engine thread re-checks for shutdown this often while idle
+
+
+@dataclass
+class _Stream:
+    """Outputs of one request on its consumer's event loop (touched only from that loop)."""
+
+    loop: asyncio.AbstractEventLoop
+    deltas: bool  # merge queued outputs (delta kind), or keep the latest (cumulative views)
+    items: list = field(default_factory=list)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: bool = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.items.append(item)
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        items, self.items = self.items, []
+        error = next((i for i in items if isinstance(i, BaseException)), None)
+        if error is not None:
+            raise error
+        return merge_deltas(items) if self.deltas else items[-1]
+
+
+class AsyncLLM:
+    """`AsyncLLM(EngineConfig(model="pagedserve-tiny"))`, then `async for out in llm.generate(...)`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        self.config = config
+        self.stats: EngineStats = self.engine.get_stats()  # replaced, never mutated: safe to read anywhere
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams and _num_pending_adds
+        self._num_pending_adds = 0
+        self._dead: EngineDeadError | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream a request's outputs: deltas (new token ids, new text, new logprobs) unless
+        `sampling_params.output_kind` says otherwise; the last one has `finished` set. Raises ValueError
+        for bad input, EngineOverloadedError when the waiting queue is full, EngineDeadError after a
+        fatal error, RequestFailedError if this request fails. Cancelling the consumer aborts it."""
+        if self._dead is not None:
+            raise self._dead
+        params = sampling_params or SamplingParams()
+        if "output_kind" not in params.model_fields_set:
+            params = params.model_copy(update={"output_kind": RequestOutputKind.DELTA})
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        prepared = self.engine.prepare_request(prompt, params, request_id, priority=priority, cache_salt=cache_salt)
+        stream = _Stream(asyncio.get_running_loop(), deltas=params.output_kind is RequestOutputKind.DELTA)
+        self._register(prepared, stream)
+        try:
+            while True:
+                output = await stream.get()
+                if output.error is not None:
+                    stream.finished = True
+                    raise RequestFailedError(f"request {request_id} failed: {output.error}")
+                if output.finished:
+                    stream.finished = True
+                yield output
+                if output.finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not stream.finished:  # cancelled, closed early, or failed: free its KV blocks
+                self._commands.put(("abort", request_id))
+                self._wakeup.set()
+
+    def _register(self, prepared: PreparedRequest, stream: _Stream) -> None:
+        limit = self.config.max_waiting_requests
+        with self._lock:
+            if self._stopping:
+                raise EngineOverloadedError("the engine is shutting down and admits no new requests")
+            if prepared.request_id in self._streams:
+                raise ValueError(f"request_id: {prepared.request_id!r} is already in flight")
+            if limit is not None and self.stats.num_waiting + self._num_pending_adds >= limit:
+                raise EngineOverloadedError(
+                    f"{self.stats.num_waiting + self._num_pending_adds} requests are already waiting "
+                    f"(max_waiting_requests={limit}); retry later"
+                )
+            self._streams[prepared.request_id] = stream
+            self._num_pending_adds += 1
+        self._commands.put(("add", prepared))
+        self._wakeup.set()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with an `abort` finish reason. Unknown ids are ignored."""
+        self._commands.put(("abort", request_id))
+        self._wakeup.set()
+
+    def stop_admitting(self) -> None:
+        """Refuse new requests (EngineOverloadedError) while in-flight ones finish: the first half of a
+        graceful drain."""
+        with self._lock:
+            self._stopping = True
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the engine thread; in-flight streams fail with EngineDeadError."""
+        self.stop_admitting()
+        self._commands.put(("stop", None))
+        self._wakeup.set()
+        self._thread.join(timeout_s)
+
+    # --- engine thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                if not self._apply_commands():
+                    self._fail_all(EngineDeadError("the engine was shut down"))
+                    return
+                if not engine.has_unfinished_requests():
+                    self._wakeup.wait(_IDLE_POLL_S)
+                    self._wakeup.clear()
+                    continue
+                outputs = engine.step()
+                self.stats = engine.get_stats()
+                self._publish(outputs)
+        except BaseException as e:  # noqa: BLE001 - anything here is fatal, and must not hang a caller
+            logger.exception("fatal engine error")
+            self._fail_all(EngineDeadError(f"the engine died: {type(e).__name__}: {e}"))
+
+    def _apply_commands(self) -> bool:
+        outputs: list[RequestOutput] = []
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "stop":
+                return False
+            if kind == "add":
+                with self._lock:
+                    self._num_pending_adds -= 1
+                try:
+                    self.engine.add_prepared(payload)
+                except ValueError as e:
+                    self._deliver_error(payload.request_id, e)
+            elif kind == "abort":
+                outputs.extend(self.engine.abort_request(payload))
+        if outputs:
+            self._publish(outputs)
+        self.stats = self.engine.get_stats()
+        return True
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        with self._lock:
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _deliver, items)
+
+    def _deliver_error(self, request_id: str, error: BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            _call_soon(stream.loop, stream.put, error)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        self._dead = error
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            _call_soon(stream.loop, stream.put, error)
+
+
+def _deliver(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, output in items:
+        stream.put(output)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+        pass
