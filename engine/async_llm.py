@@ -13,6 +13,7 @@ with EngineDeadError at once, `is_healthy()` turns False, and new requests are r
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import queue
 import threading
@@ -63,6 +64,10 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
         self.config = config
+        # A full garbage collection walks every object, holding the GIL for as long; after loading a
+        # model that is >100 ms of a frozen event loop. Exempt everything that exists by now.
+        gc.collect()
+        gc.freeze()
         self.stats: EngineStats = self.engine.get_stats()  # replaced, never mutated: safe to read anywhere
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
