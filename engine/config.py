@@ -58,6 +58,12 @@ class EngineConfig(BaseModel):
         True, description="Split long prompts across steps so that decodes keep flowing."
     )
     seed: int = Field(0, description="Seed for dummy weights and for requests sampled without a seed.")
+    num_threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU threads for torch in this process (torch.set_num_threads). Give each engine "
+        "replica its share of the cores: oversubscribed OpenMP threads spin against each other.",
+    )
     attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
         "auto", description="`auto` is flashinfer on CUDA when installed, torch otherwise."
     )

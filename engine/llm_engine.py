@@ -3,16 +3,15 @@ it for offline batches and `AsyncLLM` from its engine thread."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
+from engine.input_processor import InputProcessor, PreparedRequest, resolve_max_model_len
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import LogprobEntry, ModelRunner, ModelRunnerOutput
 from engine.models.config import ModelConfig
@@ -21,7 +20,6 @@ from engine.output_processor import OutputProcessor
 from engine.outputs import Logprob, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import sample_seed
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineStats
 from engine.tokenizer import load_tokenizer
@@ -33,30 +31,19 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 _MAX_FAILED_STEPS = 3  # single-request steps failing in a row before the engine declares itself dead
 
 
-@dataclass(frozen=True)
-class PreparedRequest:
-    """A validated, tokenized request, ready for `LLMEngine.add_prepared`."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    priority: int
-    cache_salt: str | None
-
-
 class LLMEngine:
     """Not thread-safe: one thread drives it (LLM's caller, or AsyncLLM's engine thread); other threads
     may only call `prepare_request`, `tokenize` and `apply_chat_template`."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         path = resolve_model_path(config.model, config.revision)
         self.model_config = ModelConfig.from_pretrained(path)
         self.device = _resolve_device(config.device)
         self.dtype = _resolve_dtype(config.dtype, self.model_config, self.device)
-        self.max_model_len = self._resolve_max_model_len()
+        self.max_model_len = resolve_max_model_len(config, self.model_config)
         self.max_num_batched_tokens = self._resolve_max_num_batched_tokens()
         self.tokenizer = load_tokenizer(config.tokenizer or path, config.revision if config.tokenizer else None)
         self.eos_token_ids = frozenset(
@@ -79,26 +66,12 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
         )
+        self.input_processor = InputProcessor(config, self.model_config, self.tokenizer, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[Request]] = {}  # in-flight parent id -> its samples
         self._parked: dict[str, list[Request]] = {}  # samples waiting for their first sibling's prefill
-        self._request_counter = itertools.count()
         self._num_steps = 0
         self._consecutive_failed_steps = 0
-
-    def _resolve_max_model_len(self) -> int:
-        cfg = self.model_config
-        limit = cfg.max_position_embeddings
-        if cfg.sliding_window:  # we attend over the full context: exact only within the window
-            limit = min(limit, cfg.sliding_window)
-        if self.config.max_model_len is None:
-            return limit
-        if self.config.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len: {self.config.max_model_len} exceeds the model's limit of {limit} tokens "
-                "(max_position_embeddings, or sliding_window)"
-            )
-        return self.config.max_model_len
 
     def _resolve_max_num_batched_tokens(self) -> int:
         value = self.config.max_num_batched_tokens
@@ -113,73 +86,14 @@ class LLMEngine:
             )
         return value
 
-    @property
-    def vocab_size(self) -> int:
-        return self.model_config.vocab_size
-
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt given as text or ids, validated (the parameter is named `prompt`)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: must not be empty")
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt: token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
-        return ids
+        return self.input_processor.tokenize(prompt)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
-        """Prompt token ids for a chat, through the tokenizer's chat template."""
-        if not messages:
-            raise ValueError("messages: must not be empty")
-        if self.tokenizer.chat_template is None:
-            raise ValueError(f"messages: the tokenizer of {self.config.model} has no chat template")
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **kwargs
-            )
-        except Exception as e:  # jinja errors: a role the template rejects, a missing field
-            raise ValueError(f"messages: the chat template rejected them: {e}") from e
-        return list(ids)
+        return self.input_processor.apply_chat_template(messages, add_generation_prompt, **kwargs)
 
-    def prepare_request(
-        self,
-        prompt: str | list[int],
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> PreparedRequest:
-        """Validate and tokenize a request without touching engine state, so that any thread may call
-        it. Raises ValueError naming the bad parameter."""
-        params = sampling_params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority: expected an int, got {priority!r}")
-        token_ids = self.tokenize(prompt)
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
-            )
-        bad = sorted(t for t in params.token_ids_to_check() if t >= self.vocab_size)
-        if bad:
-            raise ValueError(f"stop_token_ids/logit_bias: token ids {bad} are outside the vocabulary [0, {self.vocab_size})")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n: {params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
-        return PreparedRequest(
-            request_id=request_id if request_id is not None else f"req-{next(self._request_counter)}",
-            prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=token_ids,
-            params=params,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-            priority=priority,
-            cache_salt=cache_salt,
-        )
+    def prepare_request(self, *args, **kwargs) -> PreparedRequest:
+        return self.input_processor.prepare_request(*args, **kwargs)
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
         """Enqueue a prepared request; engine-thread only."""

@@ -1,0 +1,131 @@
+"""InputProcessor: turns what a caller sends (text or token ids, chat messages, sampling parameters) into
+a validated, tokenized request. It needs the tokenizer and the model's config but not its weights, so
+the serving ingress builds one too and rejects bad input before anything reaches an engine replica."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from engine.config import EngineConfig
+from engine.models.config import ModelConfig
+from engine.models.loader import resolve_model_path
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import load_tokenizer
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated, tokenized request, ready for `LLMEngine.add_prepared`."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int
+    cache_salt: str | None
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    limit = model_config.max_position_embeddings
+    if model_config.sliding_window:  # we attend over the full context: exact only within the window
+        limit = min(limit, model_config.sliding_window)
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len: {config.max_model_len} exceeds the model's limit of {limit} tokens "
+            "(max_position_embeddings, or sliding_window)"
+        )
+    return config.max_model_len
+
+
+class InputProcessor:
+    """Thread-safe: it holds no per-request state."""
+
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self._request_counter = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> InputProcessor:
+        """Without the weights: for a process that validates requests but runs no model."""
+        path = resolve_model_path(config.model, config.revision)
+        model_config = ModelConfig.from_pretrained(path)
+        tokenizer = load_tokenizer(config.tokenizer or path, config.revision if config.tokenizer else None)
+        return cls(config, model_config, tokenizer, resolve_max_model_len(config, model_config))
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt given as text or ids, validated (the parameter is named `prompt`)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt: token id {t!r} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """Prompt token ids for a chat, through the tokenizer's chat template."""
+        if not messages:
+            raise ValueError("messages: must not be empty")
+        if self.tokenizer.chat_template is None:
+            raise ValueError(f"messages: the tokenizer of {self.config.model} has no chat template")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **kwargs
+            )
+        except Exception as e:  # jinja errors: a role the template rejects, a missing field
+            raise ValueError(f"messages: the chat template rejected them: {e}") from e
+        return list(ids)
+
+    def prepare_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> PreparedRequest:
+        """Validate and tokenize a request without touching engine state, so that any thread may call
+        it. Raises ValueError naming the bad parameter."""
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority: expected an int, got {priority!r}")
+        token_ids = self.tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
+            )
+        vocab = self.model_config.vocab_size
+        bad = sorted(t for t in params.token_ids_to_check() if t >= vocab)
+        if bad:
+            raise ValueError(f"stop_token_ids/logit_bias: token ids {bad} are outside the vocabulary [0, {vocab})")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n: {params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        return PreparedRequest(
+            request_id=request_id if request_id is not None else f"req-{next(self._request_counter)}",
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=token_ids,
+            params=params,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            priority=priority,
+            cache_salt=cache_salt,
+        )

@@ -1,0 +1,1 @@
+"""pagedserve on Ray Serve: an OpenAI/Anthropic-compatible ingress in front of engine replicas."""
