@@ -1,0 +1,23 @@
+"""The application builder: `serve run serve_app.app:build_app model=...`, or `import_path:
+serve_app.app:build_app` with `args:` in a config file (configs/default.yaml)."""
+
+from __future__ import annotations
+
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from serve_app.app_args import ROUTERS, AppArgs
+from serve_app.ingress import OpenAIIngress
+from serve_app.llm_server import LLMServer
+
+
+def build_app(args: AppArgs) -> Application:
+    router = ROUTERS[args.router]
+    engine = LLMServer.options(
+        num_replicas=args.num_replicas,
+        max_ongoing_requests=args.max_ongoing_requests,
+        ray_actor_options=args.ray_actor_options,
+        graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
+        request_router_config=RequestRouterConfig(request_router_class=router) if router else RequestRouterConfig(),
+    ).bind(args.engine_config().model_dump(mode="json"), args.name)
+    return OpenAIIngress.options(num_replicas=args.ingress_replicas).bind(engine, args.model_dump())

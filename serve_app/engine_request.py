@@ -1,0 +1,19 @@
+"""EngineRequest: what the ingress sends an engine replica. It is the first argument of every
+`LLMServer.generate` call, so the request router sees its block hashes (DESIGN.md, "The request path")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_hashes: list[int]  # engine.block_hash.hash_block_chain of the prompt: what routing matches on
+    priority: int = 0
+    cache_salt: str | None = None
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent/tracestate carrier

@@ -1,0 +1,83 @@
+"""API errors and their wire shapes: OpenAI's `{"error": {message, type, param, code}}` and Anthropic's
+`{"type": "error", "error": {type, message}}`. Every failure the ingress reports goes through here."""
+
+from __future__ import annotations
+
+import json
+import re
+from http import HTTPStatus
+
+import pydantic
+
+from engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
+
+# HTTP status -> (OpenAI error type, Anthropic error type)
+_TYPES = {
+    400: ("invalid_request_error", "invalid_request_error"),
+    401: ("authentication_error", "authentication_error"),
+    404: ("not_found_error", "not_found_error"),
+    413: ("invalid_request_error", "request_too_large"),
+    422: ("invalid_request_error", "invalid_request_error"),
+    429: ("rate_limit_error", "rate_limit_error"),
+    500: ("server_error", "api_error"),
+    503: ("service_unavailable", "overloaded_error"),
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def openai_body(self) -> dict:
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, _TYPES[500])[0],
+                          "param": self.param, "code": self.code}}
+
+    def anthropic_body(self) -> dict:
+        return {"type": "error", "error": {"type": _TYPES.get(self.status, _TYPES[500])[1], "message": self.message}}
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, round(self.retry_after_s)))} if self.retry_after_s is not None else {}
+
+    def sse_event(self) -> str:
+        return f"data: {json.dumps(self.openai_body())}\n\n"
+
+
+_PARAM_PREFIX = re.compile(r"^(?:Value error, )?([a-z_][a-z0-9_/]*): ")
+
+
+def from_exception(e: BaseException) -> APIError:
+    """The API error for any exception raised while serving a request."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, pydantic.ValidationError):
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        message = err["msg"].removeprefix("Value error, ")
+        match = _PARAM_PREFIX.match(message)
+        if match:  # a model validator naming its own field ("min_tokens: ...")
+            param = match.group(1)
+        return APIError(400, f"{param}: {message}" if param and not match else message, param=param, code="invalid_value")
+    if isinstance(e, EngineOverloadedError):
+        return APIError(429, str(e), code="rate_limit_exceeded", retry_after_s=e.retry_after_s)
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), code="engine_dead", retry_after_s=5)
+    if isinstance(e, RequestFailedError):
+        return APIError(500, str(e), code="request_failed")
+    if isinstance(e, ValueError):
+        message = str(e)
+        match = _PARAM_PREFIX.match(message)
+        code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
+        return APIError(400, message, param=match.group(1) if match else None, code=code)
+    return APIError(500, f"internal error: {type(e).__name__}", code="internal_error")
+
+
+def status_phrase(status: int) -> str:
+    return HTTPStatus(status).phrase

@@ -1,0 +1,175 @@
+"""The HTTP surface: FastAPI routes over the ingress's serving objects, the error handlers that turn
+every failure into an OpenAI (or, on /v1/messages, Anthropic) error object, API-key checks, and SSE."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from serve_app.errors import APIError, from_exception
+from serve_app.protocol.openai import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+logger = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503)}
+
+
+def route_path(request: Request) -> str:
+    """The path below the application's route prefix."""
+    return request.url.path.removeprefix(request.scope.get("root_path", "").rstrip("/"))
+
+
+def _is_anthropic(request: Request) -> bool:
+    return route_path(request).startswith("/v1/messages")
+
+
+def error_response(request: Request, error: APIError) -> JSONResponse:
+    body = error.anthropic_body() if _is_anthropic(request) else error.openai_body()
+    return JSONResponse(body, status_code=error.status, headers=error.headers())
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {err.get('msg')}", code="invalid_json")
+    if not loc:
+        return APIError(400, f"the request body must be a JSON object: {err.get('msg')}", code="invalid_json")
+    param = ".".join(loc) or None
+    return APIError(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param=param, code="invalid_value")
+
+
+def json_response(model: BaseModel) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+async def sse(chunks: AsyncIterator[BaseModel], first: BaseModel | None, done: bool = True) -> AsyncIterator[str]:
+    """Server-sent events; an error after the first byte becomes a final `data:` error event."""
+    try:
+        if first is not None:
+            yield f"data: {first.model_dump_json()}\n\n"
+            async for chunk in chunks:
+                yield f"data: {chunk.model_dump_json()}\n\n"
+    except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
+        logger.warning("stream failed: %s", e)
+        yield from_exception(e).sse_event()
+    if done:
+        yield "data: [DONE]\n\n"
+
+
+async def stream_response(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
+    """Start a stream only once its first chunk exists, so that errors up to then (overload, bad
+    input found by the replica) still get a proper status code."""
+    first = await anext(chunks, None)
+    return StreamingResponse(sse(chunks, first), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def build_http_app(ingress) -> FastAPI:
+    app = FastAPI(title="pagedserve", version=VERSION,
+                  description="OpenAI- and Anthropic-compatible LLM serving on Ray Serve.")
+    serving = ingress.openai
+    api_keys = [k.encode() for k in ingress.args.api_keys]
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return error_response(request, _validation_error(exc))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        error = from_exception(exc)
+        if error.status >= 500:
+            logger.exception("request failed", exc_info=exc)
+        return error_response(request, error)
+
+    @app.middleware("http")
+    async def _authenticate(request: Request, call_next):
+        if api_keys and route_path(request).startswith("/v1"):
+            auth = request.headers.get("authorization", "")
+            token = (auth[7:] if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")).encode()
+            ok = False
+            for key in api_keys:  # constant time per key, and every key is compared
+                ok |= hmac.compare_digest(token, key)
+            if not ok:
+                return error_response(request, APIError(401, "invalid or missing API key", code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS,
+              summary="Text completion (streamed as server-sent events when stream=true)")
+    async def create_completion(body: CompletionRequest):
+        result = await serving.completions(body)
+        return await stream_response(result) if body.stream else json_response(result)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS,
+              summary="Chat completion (streamed as server-sent events when stream=true)")
+    async def create_chat_completion(body: ChatCompletionRequest):
+        result = await serving.chat(body)
+        return await stream_response(result) if body.stream else json_response(result)
+
+    @app.get("/v1/models", response_model=ModelList, summary="The served model")
+    async def list_models():
+        return ModelList(data=[ModelCard(id=serving.model_name, max_model_len=serving.processor.max_model_len)])
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS, summary="Tokenize a prompt or chat")
+    async def tokenize(body: TokenizeRequest):
+        serving.check_model(body.model)
+        try:
+            if body.prompt is not None:
+                tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            else:
+                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                tokens = serving.processor.apply_chat_template(messages, body.add_generation_prompt)
+        except ValueError as e:
+            raise from_exception(e) from e
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=serving.processor.max_model_len)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS, summary="Detokenize token ids")
+    async def detokenize(body: DetokenizeRequest):
+        serving.check_model(body.model)
+        vocab = serving.processor.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens: {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens",
+                           code="invalid_value")
+        return DetokenizeResponse(prompt=serving.tokenizer.decode(body.tokens))
+
+    @app.get("/health", summary="200 when every engine replica answers healthy, 503 otherwise")
+    async def health():
+        if await ingress.engine_healthy():
+            return Response(status_code=200)
+        return error_response_plain(APIError(503, "the engine is unhealthy", code="engine_unhealthy"))
+
+    @app.get("/version", summary="pagedserve version")
+    async def version():
+        return {"version": VERSION}
+
+    for extra in getattr(ingress, "extra_routes", ()):
+        extra(app)
+    return app
+
+
+def error_response_plain(error: APIError) -> JSONResponse:
+    return JSONResponse(error.openai_body(), status_code=error.status, headers=error.headers())

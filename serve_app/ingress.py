@@ -1,0 +1,70 @@
+"""The ingress deployment: HTTP routes for clients, and the same operations as methods for Python callers
+holding a DeploymentHandle to the app (they take and return the same pydantic models as HTTP).
+
+    handle = serve.get_app_handle("pagedserve").options(stream=True)
+    async for response in handle.chat.remote(ChatCompletionRequest(messages=[...])):
+        ...  # one ChatCompletionResponse, or ChatCompletionChunks when stream=True
+
+The methods are async generators (Ray Serve streams them), so callers always use `stream=True`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from engine.input_processor import InputProcessor
+from serve_app.app_args import AppArgs
+from serve_app.http_api import build_http_app
+from serve_app.openai_serving import OpenAIServing
+from serve_app.protocol.openai import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+_HEALTH_TIMEOUT_S = 5.0
+
+
+@serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
+@serve.ingress()
+class OpenAIIngress:
+    def __init__(self, engine: DeploymentHandle, args: dict) -> None:
+        self.args = AppArgs.model_validate(args)
+        self.processor = InputProcessor.from_config(self.args.engine_config())
+        self.engine = engine
+        self.openai = OpenAIServing(self.processor, self.args.name, engine.options(stream=True))
+
+    def __serve_build_asgi_app__(self):
+        return build_http_app(self)
+
+    async def engine_healthy(self) -> bool:
+        """Every engine replica answers healthy in time (Serve replaces one that does not)."""
+        try:
+            results = await asyncio.wait_for(self.engine.broadcast("is_healthy").results_async(), _HEALTH_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - any failure to answer is unhealthy
+            return False
+        return bool(results) and all(results)
+
+    # --- Python API (DeploymentHandle) ----------------------------------------------------------------
+
+    async def completions(self, request: CompletionRequest | dict) -> AsyncGenerator:
+        request = CompletionRequest.model_validate(request)
+        result = await self.openai.completions(request)
+        async for item in _as_stream(result, request.stream):
+            yield item
+
+    async def chat(self, request: ChatCompletionRequest | dict) -> AsyncGenerator:
+        request = ChatCompletionRequest.model_validate(request)
+        result = await self.openai.chat(request)
+        async for item in _as_stream(result, request.stream):
+            yield item
+
+
+async def _as_stream(result, stream: bool):
+    if not stream:
+        yield result
+        return
+    async for chunk in result:
+        yield chunk

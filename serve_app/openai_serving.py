@@ -1,0 +1,347 @@
+"""The OpenAI routes' logic, independent of HTTP: turns requests into EngineRequests, streams them from
+the engine replicas, and shapes the deltas into OpenAI responses or stream chunks. The HTTP layer and
+Python callers holding a DeploymentHandle to the ingress share it."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.block_hash import hash_block_chain
+from engine.input_processor import InputProcessor
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from serve_app.engine_request import EngineRequest
+from serve_app.errors import APIError, from_exception
+from serve_app.protocol.openai import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    PromptTokensDetails,
+    ResponseMessage,
+    SamplingFields,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    new_id,
+)
+
+
+@dataclass
+class _Prompt:
+    token_ids: list[int]
+    text: str | None  # the caller's text, when the prompt came as text
+
+
+@dataclass
+class _Tally:
+    """Token counts across a request's prompts and samples, for `usage`."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    seen_prompts: set[int] = field(default_factory=set)
+
+    def add(self, prompt_index: int, output: RequestOutput) -> None:
+        if prompt_index not in self.seen_prompts:
+            self.seen_prompts.add(prompt_index)
+            self.prompt_tokens += len(output.prompt_token_ids)
+            self.cached_tokens += output.num_cached_tokens
+        self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+        )
+
+
+class OpenAIServing:
+    def __init__(self, processor: InputProcessor, served_model_name: str, engine) -> None:
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.model_name = served_model_name
+        self.block_size = processor.config.block_size
+        self.engine = engine  # DeploymentHandle to LLMServer, with stream=True
+
+    # --- shared -------------------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def sampling_params(
+        self, req: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None, kind: RequestOutputKind
+    ) -> SamplingParams:
+        room = self.processor.max_model_len - prompt_len
+        if room < 1:
+            raise APIError(400, f"prompt: {prompt_len} tokens leave no room to generate within this model's "
+                           f"maximum context length of {self.processor.max_model_len}", param="prompt",
+                           code="context_length_exceeded")
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"max_tokens: this model's maximum context length is {self.processor.max_model_len} "
+                           f"tokens; {prompt_len} in the prompt leave room for {room}, {max_tokens} were requested",
+                           param="max_tokens", code="context_length_exceeded")
+        fields = {
+            "n": req.n, "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+            "seed": req.seed, "stop": req.stop or [], "min_tokens": req.min_tokens, "ignore_eos": req.ignore_eos,
+            "stop_token_ids": req.stop_token_ids or [], "include_stop_str_in_output": req.include_stop_str_in_output,
+            "skip_special_tokens": req.skip_special_tokens, "logprobs": logprobs,
+            "prompt_logprobs": req.prompt_logprobs, "max_tokens": max_tokens or room, "output_kind": kind,
+            "logit_bias": {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+        }
+        optional = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
+                    "repetition_penalty": req.repetition_penalty}
+        fields.update({k: v for k, v in optional.items() if v is not None})
+        try:
+            return SamplingParams(**fields)
+        except ValueError as e:
+            raise from_exception(e) from e
+
+    def engine_request(self, request_id: str, prompt: _Prompt, params: SamplingParams, req: SamplingFields) -> EngineRequest:
+        try:
+            prepared = self.processor.prepare_request(prompt.token_ids, params, request_id, priority=req.priority,
+                                                      cache_salt=req.cache_salt)
+        except ValueError as e:
+            raise from_exception(e) from e
+        return EngineRequest(
+            request_id=request_id,
+            prompt_token_ids=prepared.prompt_token_ids,
+            sampling_params=params,
+            block_hashes=hash_block_chain(prepared.prompt_token_ids, self.block_size, req.cache_salt),
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+        )
+
+    async def _stream(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Deltas of several engine requests as they come, tagged with each one's index."""
+        if len(requests) == 1:
+            async for output in self.engine.generate.remote(requests[0]):
+                yield 0, output
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, request: EngineRequest) -> None:
+            try:
+                async for output in self.engine.generate.remote(request):
+                    await queue.put((i, output))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one instance per ingress replica, tokens are few
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # --- /v1/completions ----------------------------------------------------------------------------
+
+    def _completion_prompts(self, req: CompletionRequest) -> list[_Prompt]:
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            items = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise APIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
+        try:
+            return [_Prompt(self.processor.tokenize(p), p if isinstance(p, str) else None) for p in items]
+        except ValueError as e:
+            raise from_exception(e) from e
+
+    async def completions(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[CompletionResponse]:
+        """Validates everything first (raising APIError), then returns the response or a chunk stream."""
+        self.check_model(req.model)
+        prompts = self._completion_prompts(req)
+        request_id = req.request_id or new_id("cmpl")
+        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        echo_logprobs = req.echo and req.logprobs is not None
+        requests = []
+        for i, prompt in enumerate(prompts):
+            params = self.sampling_params(req, len(prompt.token_ids), req.max_tokens, req.logprobs, kind)
+            if echo_logprobs:
+                params = params.model_copy(update={"prompt_logprobs": req.logprobs})
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            requests.append(self.engine_request(rid, prompt, params, req))
+        if req.stream:
+            return self._completion_stream(req, request_id, prompts, requests)
+        return await self._completion_full(req, request_id, prompts, requests)
+
+    async def _completion_full(self, req, request_id, prompts, requests) -> CompletionResponse:
+        tally = _Tally()
+        finals: dict[int, RequestOutput] = {}
+        async for i, output in self._stream(requests):
+            tally.add(i, output)
+            finals[i] = output
+        choices = []
+        for i, prompt in enumerate(prompts):
+            output = finals[i]
+            for c in output.outputs:
+                choices.append(self._completion_choice(req, i, prompt, output, c, first=True))
+        choices.sort(key=lambda c: c.index)
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=tally.usage())
+
+    def _completion_choice(
+        self, req: CompletionRequest, prompt_index: int, prompt: _Prompt, output: RequestOutput,
+        c: CompletionOutput, first: bool, offset: int = 0,
+    ) -> CompletionChoice:
+        """One choice (or one chunk of it); `first` marks where echo puts the prompt, `offset` is the
+        length of the text already sent for this choice (for text_offset)."""
+        text = c.text
+        logprobs = None
+        prompt_text = ""
+        if req.echo and first:
+            prompt_text = prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
+        if req.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            position = offset
+            if req.echo and first:
+                position = self._legacy_prompt_logprobs(logprobs, output, position)
+            for token, entry in zip(c.token_ids, c.logprobs or []):
+                token_text = self.token_text(token)
+                logprobs.tokens.append(token_text)
+                logprobs.token_logprobs.append(entry[token].logprob)
+                logprobs.top_logprobs.append({self.token_text(t): lp.logprob for t, lp in entry.items()})
+                logprobs.text_offset.append(position)
+                position += len(token_text)
+        return CompletionChoice(
+            index=prompt_index * req.n + c.index,
+            text=prompt_text + text,
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+
+    def _legacy_prompt_logprobs(self, logprobs: CompletionLogprobs, output: RequestOutput, position: int) -> int:
+        entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+        for token, entry in zip(output.prompt_token_ids, entries):
+            token_text = self.token_text(token)
+            logprobs.tokens.append(token_text)
+            logprobs.token_logprobs.append(None if entry is None else entry[token].logprob)
+            logprobs.top_logprobs.append(None if entry is None else {self.token_text(t): lp.logprob for t, lp in entry.items()})
+            logprobs.text_offset.append(position)
+            position += len(token_text)
+        return position
+
+    async def _completion_stream(self, req, request_id, prompts, requests) -> AsyncIterator[CompletionResponse]:
+        tally = _Tally()
+        sent_text: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        async for i, output in self._stream(requests):
+            tally.add(i, output)
+            choices = []
+            for c in output.outputs:
+                index = i * req.n + c.index
+                first = index not in sent_text
+                choice = self._completion_choice(req, i, prompts[i], output, c, first=first, offset=sent_text.get(index, 0))
+                sent_text[index] = sent_text.get(index, 0) + len(choice.text)
+                if choice.text or choice.finish_reason or (choice.logprobs and choice.logprobs.tokens):
+                    choices.append(choice)
+            if choices:
+                yield CompletionResponse(id=request_id, model=self.model_name, choices=choices)
+        if include_usage:
+            yield CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=tally.usage())
+
+    # --- /v1/chat/completions -----------------------------------------------------------------------
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> _Prompt:
+        try:
+            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+            token_ids = self.processor.apply_chat_template(
+                messages, req.add_generation_prompt, **(req.chat_template_kwargs or {})
+            )
+        except ValueError as e:
+            raise from_exception(e) from e
+        return _Prompt(token_ids, None)
+
+    async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[ChatCompletionChunk]:
+        self.check_model(req.model)
+        prompt = self.chat_prompt(req)
+        request_id = req.request_id or new_id("chatcmpl")
+        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        params = self.sampling_params(req, len(prompt.token_ids), max_tokens, logprobs, kind)
+        engine_request = self.engine_request(request_id, prompt, params, req)
+        if req.stream:
+            return self._chat_stream(req, request_id, engine_request)
+        return await self._chat_full(req, request_id, engine_request)
+
+    def _chat_logprobs(self, req: ChatCompletionRequest, c: CompletionOutput) -> ChoiceLogprobs | None:
+        if not req.logprobs:
+            return None
+        content = []
+        for token, entry in zip(c.token_ids, c.logprobs or []):
+            text = self.token_text(token)
+            top = sorted(((t, lp) for t, lp in entry.items()), key=lambda x: x[1].rank)[: req.top_logprobs or 0]
+            content.append(TokenLogprob(
+                token=text, logprob=entry[token].logprob, bytes=list(text.encode()),
+                top_logprobs=[TopLogprob(token=self.token_text(t), logprob=lp.logprob, bytes=list(self.token_text(t).encode()))
+                              for t, lp in top],
+            ))
+        return ChoiceLogprobs(content=content)
+
+    async def _chat_full(self, req, request_id, engine_request) -> ChatCompletionResponse:
+        tally, final = _Tally(), None
+        async for _, output in self._stream([engine_request]):
+            tally.add(0, output)
+            final = output
+        choices = [
+            ChatChoice(index=c.index, message=ResponseMessage(content=c.text), logprobs=self._chat_logprobs(req, c),
+                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for c in final.outputs
+        ]
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=tally.usage())
+
+    async def _chat_stream(self, req, request_id, engine_request) -> AsyncIterator[ChatCompletionChunk]:
+        tally = _Tally()
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        first = True
+        async for _, output in self._stream([engine_request]):
+            if first:  # the first chunk of every choice carries the role, as OpenAI's do
+                first = False
+                yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
+                    ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(req.n)
+                ])
+            tally.add(0, output)
+            choices = [
+                ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.text or None),
+                                logprobs=self._chat_logprobs(req, c), finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason)
+                for c in output.outputs
+                if c.text or c.finish_reason or (req.logprobs and c.token_ids)
+            ]
+            if choices:
+                yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices)
+        if include_usage:
+            yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=tally.usage())
