@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 run: install
-	$(BIN)/python -m engine --model pagedserve-tiny
+	$(BIN)/serve run configs/default.yaml
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -1,7 +1,8 @@
 """The application builder: `serve run serve_app.app:build_app model=...`, or `import_path:
 serve_app.app:build_app` with `args:` in a config file (configs/default.yaml)."""
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: Ray reads the builder's annotation at run time to
+# validate `args` as AppArgs, and a string annotation would hand us the raw dict.
 
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig

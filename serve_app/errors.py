@@ -29,12 +29,15 @@ class APIError(Exception):
         self, status: int, message: str, param: str | None = None, code: str | None = None,
         retry_after_s: float | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(status, message, param, code, retry_after_s)  # all in args: it pickles across Ray
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.retry_after_s = retry_after_s
+
+    def __str__(self) -> str:
+        return self.message
 
     def openai_body(self) -> dict:
         return {"error": {"message": self.message, "type": _TYPES.get(self.status, _TYPES[500])[0],
@@ -55,16 +58,13 @@ _PARAM_PREFIX = re.compile(r"^(?:Value error, )?([a-z_][a-z0-9_/]*): ")
 
 def from_exception(e: BaseException) -> APIError:
     """The API error for any exception raised while serving a request."""
+    cause = getattr(e, "cause", None)  # Ray re-raises a replica's exception wrapped, its message a traceback
+    if isinstance(cause, BaseException):
+        e = cause
     if isinstance(e, APIError):
         return e
     if isinstance(e, pydantic.ValidationError):
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        message = err["msg"].removeprefix("Value error, ")
-        match = _PARAM_PREFIX.match(message)
-        if match:  # a model validator naming its own field ("min_tokens: ...")
-            param = match.group(1)
-        return APIError(400, f"{param}: {message}" if param and not match else message, param=param, code="invalid_value")
+        return from_validation_errors(e.errors())
     if isinstance(e, EngineOverloadedError):
         return APIError(429, str(e), code="rate_limit_exceeded", retry_after_s=e.retry_after_s)
     if isinstance(e, EngineDeadError):
@@ -77,6 +77,23 @@ def from_exception(e: BaseException) -> APIError:
         code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
         return APIError(400, message, param=match.group(1) if match else None, code=code)
     return APIError(500, f"internal error: {type(e).__name__}", code="internal_error")
+
+
+def from_validation_errors(errors: list[dict]) -> APIError:
+    """The first of pydantic's (or FastAPI's) validation errors, naming the field: from its location,
+    or from the message of a model validator that names it ("min_tokens: ...")."""
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    message = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {message}", code="invalid_json")
+    match = _PARAM_PREFIX.match(message)
+    if match:
+        return APIError(400, message, param=match.group(1), code="invalid_value")
+    if not loc:
+        return APIError(400, f"the request body must be a JSON object: {message}", code="invalid_json")
+    param = ".".join(loc)
+    return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
 
 
 def status_phrase(status: int) -> str:

@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from serve_app.errors import APIError, from_exception
+from serve_app.errors import APIError, from_exception, from_validation_errors
 from serve_app.protocol.openai import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -45,17 +45,6 @@ def _is_anthropic(request: Request) -> bool:
 def error_response(request: Request, error: APIError) -> JSONResponse:
     body = error.anthropic_body() if _is_anthropic(request) else error.openai_body()
     return JSONResponse(body, status_code=error.status, headers=error.headers())
-
-
-def _validation_error(exc: RequestValidationError) -> APIError:
-    err = exc.errors()[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    if err.get("type") == "json_invalid":
-        return APIError(400, f"malformed JSON body: {err.get('msg')}", code="invalid_json")
-    if not loc:
-        return APIError(400, f"the request body must be a JSON object: {err.get('msg')}", code="invalid_json")
-    param = ".".join(loc) or None
-    return APIError(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param=param, code="invalid_value")
 
 
 def json_response(model: BaseModel) -> Response:
@@ -96,7 +85,7 @@ def build_http_app(ingress) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return error_response(request, _validation_error(exc))
+        return error_response(request, from_validation_errors(exc.errors()))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

@@ -17,9 +17,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from engine.input_processor import InputProcessor
+from serve_app.anthropic_serving import AnthropicServing, add_routes
 from serve_app.app_args import AppArgs
 from serve_app.http_api import build_http_app
 from serve_app.openai_serving import OpenAIServing
+from serve_app.protocol.anthropic import MessagesRequest
 from serve_app.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,8 @@ class OpenAIIngress:
         self.processor = InputProcessor.from_config(self.args.engine_config())
         self.engine = engine
         self.openai = OpenAIServing(self.processor, self.args.name, engine.options(stream=True))
+        self.anthropic = AnthropicServing(self.openai)
+        self.extra_routes = [lambda app: add_routes(app, self.anthropic)]
 
     def __serve_build_asgi_app__(self):
         return build_http_app(self)
@@ -58,6 +62,13 @@ class OpenAIIngress:
     async def chat(self, request: ChatCompletionRequest | dict) -> AsyncGenerator:
         request = ChatCompletionRequest.model_validate(request)
         result = await self.openai.chat(request)
+        async for item in _as_stream(result, request.stream):
+            yield item
+
+    async def messages(self, request: MessagesRequest | dict) -> AsyncGenerator:
+        """Anthropic Messages: one MessagesResponse, or (event name, data) pairs when stream=True."""
+        request = MessagesRequest.model_validate(request)
+        result = await self.anthropic.messages(request)
         async for item in _as_stream(result, request.stream):
             yield item
 

@@ -56,6 +56,10 @@ class LLMServer:
     def stats(self) -> EngineStats:
         return self.llm.stats
 
+    def identity(self) -> str:
+        """This replica's id: tests use it to check that a bad request restarted nothing."""
+        return self.replica_id
+
     def is_healthy(self) -> bool:
         return self.llm.is_healthy()
 

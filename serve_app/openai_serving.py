@@ -127,10 +127,18 @@ class OpenAIServing:
         )
 
     async def _stream(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Deltas of several engine requests as they come, tagged with each one's index."""
+        """Deltas of several engine requests as they come, tagged with each one's index. Closing or
+        cancelling this iterator cancels the engine calls, which abort their requests."""
         if len(requests) == 1:
-            async for output in self.engine.generate.remote(requests[0]):
-                yield 0, output
+            stream = self.engine.generate.remote(requests[0])
+            finished = False
+            try:
+                async for output in stream:
+                    finished = output.finished
+                    yield 0, output
+            finally:
+                if not finished:
+                    stream.cancel()
             return
         queue: asyncio.Queue = asyncio.Queue()
 

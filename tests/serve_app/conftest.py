@@ -1,0 +1,81 @@
+"""One Ray instance and one running app for the whole test session (starting Serve costs seconds).
+
+`serve_app_url` is the base URL of the default app (2 engine replicas of the tiny model). Tests that
+need a different configuration deploy their own app under another name and route prefix with
+`deploy_app`, on the same Ray instance."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+APP = "pagedserve"
+ENGINE = {"max_model_len": 1024, "num_kv_blocks": 512, "num_threads": 1}
+HTTP_PORT = int(os.environ.get("PAGEDSERVE_TEST_HTTP_PORT", "8000"))
+BASE_URL = f"http://127.0.0.1:{HTTP_PORT}"
+
+
+def pytest_collection_modifyitems(items):
+    # Tests that start their own Ray (serve run in a subprocess) must run before the shared instance exists.
+    items.sort(key=lambda item: 0 if item.get_closest_marker("own_ray") else 1)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "own_ray: runs its own Ray, before the shared session instance starts")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def deploy_app(ray_session):
+    """deploy_app(name, route_prefix, **AppArgs) -> base URL; each configuration is deployed once."""
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.app_args import AppArgs
+
+    deployed: dict[str, str] = {}
+
+    def deploy(name: str, route_prefix: str, **args) -> str:
+        if name not in deployed:
+            args.setdefault("engine", ENGINE)
+            serve.run(build_app(AppArgs(**args)), name=name, route_prefix=route_prefix)
+            deployed[name] = BASE_URL + route_prefix.rstrip("/")
+        return deployed[name]
+
+    return deploy
+
+
+@pytest.fixture(scope="session")
+def serve_app_url(deploy_app) -> str:
+    return deploy_app(APP, "/", model="pagedserve-tiny", num_replicas=2)
+
+
+@pytest.fixture(scope="session")
+def engine_handle(serve_app_url):
+    from ray import serve
+
+    return serve.get_deployment_handle("LLMServer", app_name=APP)
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(interval)

@@ -1,0 +1,134 @@
+"""Every bad request gets its status and the OpenAI error object; none restarts a replica."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from tests.serve_app.conftest import APP, wait_for
+
+MODEL = "pagedserve-tiny"
+
+
+def _error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    return body["error"]
+
+
+@pytest.fixture(scope="module")
+def replicas_before(engine_handle):
+    return sorted(engine_handle.broadcast("identity").results())
+
+
+@pytest.mark.parametrize(
+    "route, body, param",
+    [
+        ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "temperature": -0.5}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+        ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 1000}, "n"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 30}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "stop": ["s"] * 40}, "stop"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 500}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": 50, "max_tokens": 5}, "min_tokens"),
+        ("/v1/completions", {"prompt": [1, 2, 10**9]}, "prompt"),
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**9]}, "stop_token_ids/logit_bias"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ],
+)
+def test_invalid_values_are_400_naming_the_field(serve_app_url, route, body, param):
+    error = _error(httpx.post(serve_app_url + route, json=body), 400, param)
+    assert error["type"] == "invalid_request_error"
+
+
+def test_malformed_json_and_non_object_body(serve_app_url):
+    headers = {"content-type": "application/json"}
+    assert _error(httpx.post(serve_app_url + "/v1/completions", content=b"{oops", headers=headers), 400)["code"] == "invalid_json"
+    _error(httpx.post(serve_app_url + "/v1/chat/completions", content=b"[1, 2]", headers=headers), 400)
+
+
+def test_unknown_model_is_404(serve_app_url):
+    error = _error(httpx.post(serve_app_url + "/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, "model")
+    assert error["code"] == "model_not_found"
+
+
+def test_prompt_too_long(serve_app_url):
+    long_prompt = list(range(1, 1100))  # max_model_len is 1024
+    error = _error(httpx.post(serve_app_url + "/v1/completions", json={"prompt": long_prompt}), 400, "prompt")
+    assert error["code"] == "context_length_exceeded"
+    error = _error(httpx.post(serve_app_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5000}), 400, "max_tokens")
+    assert error["code"] == "context_length_exceeded"
+
+
+def test_streaming_errors_still_get_a_status(serve_app_url):
+    r = httpx.post(serve_app_url + "/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "x"}], "stream": True, "temperature": 9})
+    _error(r, 400, "temperature")
+
+
+def test_bad_requests_restart_no_replica(serve_app_url, engine_handle, replicas_before):
+    # Runs after the parametrized cases above in this module.
+    for _ in range(3):
+        httpx.post(serve_app_url + "/v1/completions", json={"prompt": [5, 10**9]})
+    assert sorted(engine_handle.broadcast("identity").results()) == replicas_before
+    assert all(engine_handle.broadcast("is_healthy").results())
+    r = httpx.post(serve_app_url + "/v1/completions", json={"prompt": "still fine", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200
+
+
+def test_api_keys(deploy_app):
+    url = deploy_app("secured", "/secured", api_keys=["key-one", "key-two"])
+    body = {"prompt": "x", "max_tokens": 2}
+    _error(httpx.post(url + "/v1/completions", json=body), 401)
+    assert _error(httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"}), 401)["type"] == "authentication_error"
+    for key in ("key-one", "key-two"):
+        assert httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60).status_code == 200
+    assert httpx.get(url + "/health").status_code == 200  # no key needed outside /v1
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer key-two"}).status_code == 200
+
+
+def test_overload_is_429_with_retry_after(deploy_app):
+    from ray import serve
+
+    url = deploy_app("overload", "/overload", num_replicas=1,
+                     engine={"max_model_len": 1024, "num_kv_blocks": 512, "num_threads": 1, "max_num_seqs": 1,
+                             "max_waiting_requests": 1})
+    handle = serve.get_deployment_handle("LLMServer", app_name="overload")
+    long = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True}
+
+    def hold() -> None:
+        httpx.post(url + "/v1/completions", json=long, timeout=120)
+
+    def stats():
+        return handle.stats.remote().result()
+
+    threads = [threading.Thread(target=hold, daemon=True) for _ in range(2)]
+    threads[0].start()
+    wait_for(lambda: stats().num_running == 1, interval=0.01)
+    threads[1].start()
+    wait_for(lambda: stats().num_waiting == 1, interval=0.01)  # one running, one waiting: the queue is full
+    r = httpx.post(url + "/v1/completions", json={"prompt": "one more", "max_tokens": 2}, timeout=30)
+    error = _error(r, 429)
+    assert error["type"] == "rate_limit_error" and int(r.headers["Retry-After"]) >= 1
+    assert "max_waiting_requests" in error["message"] and "ray::" not in error["message"]
+    for t in threads:
+        t.join()
+    serve.delete("overload")

@@ -1,0 +1,38 @@
+"""Engine metrics reach Ray's Prometheus endpoint with vLLM's names, labelled by model and replica."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.serve_app.conftest import wait_for
+
+NAMES = [
+    "ray_pagedserve_num_requests_running",
+    "ray_pagedserve_num_requests_waiting",
+    "ray_pagedserve_kv_cache_usage_perc",
+    "ray_pagedserve_prompt_tokens",
+    "ray_pagedserve_generation_tokens",
+    "ray_pagedserve_prefix_cache_queries",
+    "ray_pagedserve_time_to_first_token_seconds_bucket",
+    "ray_pagedserve_e2e_request_latency_seconds_bucket",
+    "ray_pagedserve_inter_token_latency_seconds_bucket",
+    "ray_pagedserve_request_success",
+]
+
+
+def test_engine_metrics_on_the_prometheus_endpoint(serve_app_url):
+    import ray
+
+    for _ in range(3):
+        httpx.post(serve_app_url + "/v1/completions", json={"prompt": "metrics please", "max_tokens": 5}, timeout=60)
+    node = ray._private.worker.global_worker.node
+    url = f"http://{node.node_ip_address}:{node.metrics_export_port}/metrics"
+
+    def scrape() -> str | None:
+        text = httpx.get(url, timeout=5).text
+        return text if all(name in text for name in NAMES) else None
+
+    text = wait_for(scrape, timeout=60, interval=1.0)
+    line = next(line for line in text.splitlines() if line.startswith("ray_pagedserve_generation_tokens"))
+    assert 'model_name="pagedserve-tiny"' in line and "replica=" in line
+    assert float(line.rsplit(" ", 1)[1]) >= 15
