@@ -1,10 +1,10 @@
 """AsyncLLM: the engine behind an asyncio API, for servers.
 
-The step loop runs in a dedicated thread, so the event loop stays responsive while the engine is
-saturated (torch releases the GIL during the heavy kernels). Callers never touch engine state: `generate`
-validates and tokenizes on the caller's thread, then hands the request to the engine thread through a
-command queue; the engine thread hands outputs back with one `call_soon_threadsafe` per step and event
-loop. A stream whose consumer lags gets its deltas merged, never one message per token.
+The step loop (engine/engine_core.py) runs off the event loop: on a thread of this process, or, with
+`EngineConfig.multiprocess`, in a process of its own (what servers want: it keeps its own GIL). Callers
+never touch engine state: `generate` validates and tokenizes on the caller's thread, then hands the
+request to the loop as a command; outputs come back once per step, and reach each event loop with one
+`call_soon_threadsafe`. A stream whose consumer lags gets its deltas merged, never one message per token.
 
 Failure model: a request that fails on its own (while sampling it, say) ends with RequestFailedError and
 the engine goes on; an error the engine cannot pin on requests is fatal: every in-flight stream fails
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import multiprocessing
 import queue
 import threading
 import uuid
@@ -22,15 +23,15 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.engine_core import run_engine_loop, run_engine_process
 from engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
-from engine.llm_engine import LLMEngine, PreparedRequest
+from engine.input_processor import InputProcessor, PreparedRequest
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, merge_deltas
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
-
-_IDLE_POLL_S = 0.5  # the engine thread re-checks for shutdown this often while idle
 
 
 @dataclass
@@ -62,26 +63,59 @@ class AsyncLLM:
     """`AsyncLLM(EngineConfig(model="pagedserve-tiny"))`, then `async for out in llm.generate(...)`."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
         self.config = config
-        # A full garbage collection walks every object, holding the GIL for as long; after loading a
-        # model that is >100 ms of a frozen event loop. Exempt everything that exists by now.
-        gc.collect()
-        gc.freeze()
-        self.stats: EngineStats = self.engine.get_stats()  # replaced, never mutated: safe to read anywhere
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams and _num_pending_adds
         self._num_pending_adds = 0
         self._dead: EngineDeadError | None = None
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        if config.multiprocess:
+            self.engine = None  # lives in the engine process
+            self.processor = InputProcessor.from_config(config)
+            self._start_process()
+        else:
+            self.engine = LLMEngine(config)
+            self.processor = self.engine.input_processor
+            self.stats = self.engine.get_stats()
+            self._commands: queue.SimpleQueue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._run_thread, name="pagedserve-engine", daemon=True)
+        # A full garbage collection walks every object, holding the GIL for as long; after loading a
+        # model that is >100 ms of a frozen event loop. Exempt everything that exists by now.
+        gc.collect()
+        gc.freeze()
         self._thread.start()
+
+    def _start_process(self) -> None:
+        ctx = multiprocessing.get_context("spawn")  # never fork a process holding torch and Ray threads
+        commands_in, self._commands_out = ctx.Pipe(duplex=False)
+        events_in, events_out = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=run_engine_process, args=(self.config, commands_in, events_out),
+                                    name="pagedserve-engine-core", daemon=True)
+        self._process.start()
+        commands_in.close()
+        events_out.close()
+        self._events = events_in
+        self._send_lock = threading.Lock()
+        kind, payload = self._events.recv()  # ("ready", stats), or ("dead", why) if loading failed
+        if kind != "ready":
+            self._process.join(5)
+            raise RuntimeError(payload)
+        self.stats = payload
+        self._thread = threading.Thread(target=self._read_process_events, name="pagedserve-engine-events", daemon=True)
+
+    def _send(self, command: tuple) -> None:
+        if self.engine is not None:
+            self._commands.put(command)
+            return
+        try:
+            with self._send_lock:
+                self._commands_out.send(command)
+        except (BrokenPipeError, OSError):  # the engine process is gone; the reader reports it
+            pass
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.processor.tokenizer
 
     def is_healthy(self) -> bool:
         return self._dead is None and self._thread.is_alive()
@@ -109,7 +143,7 @@ class AsyncLLM:
         if "output_kind" not in params.model_fields_set:
             params = params.model_copy(update={"output_kind": RequestOutputKind.DELTA})
         request_id = request_id if request_id is not None else uuid.uuid4().hex
-        prepared = self.engine.prepare_request(prompt, params, request_id, priority=priority, cache_salt=cache_salt)
+        prepared = self.processor.prepare_request(prompt, params, request_id, priority=priority, cache_salt=cache_salt)
         stream = _Stream(asyncio.get_running_loop(), deltas=params.output_kind is RequestOutputKind.DELTA)
         self._register(prepared, stream)
         try:
@@ -127,8 +161,7 @@ class AsyncLLM:
             with self._lock:
                 self._streams.pop(request_id, None)
             if not stream.finished:  # cancelled, closed early, or failed: free its KV blocks
-                self._commands.put(("abort", request_id))
-                self._wakeup.set()
+                self._send(("abort", request_id))
 
     def _register(self, prepared: PreparedRequest, stream: _Stream) -> None:
         limit = self.config.max_waiting_requests
@@ -144,13 +177,11 @@ class AsyncLLM:
                 )
             self._streams[prepared.request_id] = stream
             self._num_pending_adds += 1
-        self._commands.put(("add", prepared))
-        self._wakeup.set()
+        self._send(("add", prepared))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with an `abort` finish reason. Unknown ids are ignored."""
-        self._commands.put(("abort", request_id))
-        self._wakeup.set()
+        self._send(("abort", request_id))
 
     def stop_admitting(self) -> None:
         """Refuse new requests (EngineOverloadedError) while in-flight ones finish: the first half of a
@@ -159,54 +190,56 @@ class AsyncLLM:
             self._stopping = True
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop the engine thread; in-flight streams fail with EngineDeadError."""
+        """Stop the engine loop; in-flight streams fail with EngineDeadError."""
         self.stop_admitting()
-        self._commands.put(("stop", None))
-        self._wakeup.set()
+        self._send(("stop", None))
+        if self.engine is None:
+            self._process.join(timeout_s)
+            if self._process.is_alive():
+                self._process.kill()
         self._thread.join(timeout_s)
 
-    # --- engine thread ---------------------------------------------------------------------------
+    # --- the engine loop's side ----------------------------------------------------------------------
 
-    def _run(self) -> None:
-        engine = self.engine
+    def _run_thread(self) -> None:
+        def next_command(timeout: float):
+            try:
+                return self._commands.get(timeout=timeout) if timeout > 0 else self._commands.get_nowait()
+            except queue.Empty:
+                return None
+
         try:
-            while True:
-                if not self._apply_commands():
-                    self._fail_all(EngineDeadError("the engine was shut down"))
-                    return
-                if not engine.has_unfinished_requests():
-                    self._wakeup.wait(_IDLE_POLL_S)
-                    self._wakeup.clear()
-                    continue
-                outputs = engine.step()
-                self.stats = engine.get_stats()
-                self._publish(outputs)
-        except BaseException as e:  # noqa: BLE001 - anything here is fatal, and must not hang a caller
-            logger.exception("fatal engine error")
-            self._fail_all(EngineDeadError(f"the engine died: {type(e).__name__}: {e}"))
+            run_engine_loop(self.engine, next_command, self._on_event)
+        except BaseException:  # noqa: BLE001 - already reported through a "dead" event
+            return
+        self._fail_all(EngineDeadError("the engine was shut down"))
 
-    def _apply_commands(self) -> bool:
-        outputs: list[RequestOutput] = []
+    def _read_process_events(self) -> None:
         while True:
             try:
-                kind, payload = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "stop":
-                return False
-            if kind == "add":
+                event = self._events.recv()
+            except (EOFError, OSError):
+                code = self._process.exitcode
+                self._fail_all(EngineDeadError(f"the engine process exited (code {code})"))
+                return
+            self._on_event(event)
+            if event[0] == "dead":
+                return
+
+    def _on_event(self, event: tuple) -> None:
+        kind = event[0]
+        if kind == "outputs":
+            _, outputs, stats, num_adds = event
+            self.stats = stats
+            if num_adds:
                 with self._lock:
-                    self._num_pending_adds -= 1
-                try:
-                    self.engine.add_prepared(payload)
-                except ValueError as e:
-                    self._deliver_error(payload.request_id, e)
-            elif kind == "abort":
-                outputs.extend(self.engine.abort_request(payload))
-        if outputs:
-            self._publish(outputs)
-        self.stats = self.engine.get_stats()
-        return True
+                    self._num_pending_adds -= num_adds
+            if outputs:
+                self._publish(outputs)
+        elif kind == "rejected":
+            self._deliver_error(event[1], event[2])
+        elif kind == "dead":
+            self._fail_all(EngineDeadError(event[1]))
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}

@@ -58,6 +58,11 @@ class EngineConfig(BaseModel):
         True, description="Split long prompts across steps so that decodes keep flowing."
     )
     seed: int = Field(0, description="Seed for dummy weights and for requests sampled without a seed.")
+    multiprocess: bool = Field(
+        False,
+        description="AsyncLLM only: run the step loop in a process of its own instead of a thread, so "
+        "that it keeps its own GIL. Servers want this; the serving app turns it on.",
+    )
     num_threads: int | None = Field(
         None,
         ge=1,

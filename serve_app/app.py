@@ -20,5 +20,5 @@ def build_app(args: AppArgs) -> Application:
         ray_actor_options=args.ray_actor_options,
         graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
         request_router_config=RequestRouterConfig(request_router_class=router) if router else RequestRouterConfig(),
-    ).bind(args.engine_config().model_dump(mode="json"), args.name)
+    ).bind(args.engine_config().model_dump(mode="json"), args.name, args.stream_messages_per_s)
     return OpenAIIngress.options(num_replicas=args.ingress_replicas).bind(engine, args.model_dump())

@@ -29,6 +29,12 @@ class AppArgs(BaseModel):
     ray_actor_options: dict[str, Any] = Field(
         default_factory=lambda: {"num_cpus": 0}, description="Ray actor options of each engine replica."
     )
+    stream_messages_per_s: float = Field(
+        100.0, ge=0,
+        description="Message budget of each engine replica's streams: each stream rests (streams in flight / "
+        "budget) seconds between messages, and tokens made meanwhile travel together; the first token always "
+        "leaves at once. 0 sends every step's tokens as its own message.",
+    )
     graceful_shutdown_timeout_s: float = Field(
         30.0, ge=0, description="How long a stopping engine replica may take to finish its streams."
     )
@@ -45,4 +51,5 @@ class AppArgs(BaseModel):
         return self.served_model_name or self.model
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(model=self.model, **self.engine)
+        # Replicas run the engine loop in its own process unless told otherwise (engine_core.py: why).
+        return EngineConfig(model=self.model, **{"multiprocess": True, **self.engine})

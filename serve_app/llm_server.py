@@ -20,6 +20,7 @@ from serve_app.metrics import EngineMetrics
 logger = logging.getLogger(__name__)
 
 _METRICS_PERIOD_S = 1.0
+_MAX_STREAM_REST_S = 0.25
 
 
 @serve.deployment(
@@ -29,8 +30,9 @@ _METRICS_PERIOD_S = 1.0
     health_check_period_s=5,
 )
 class LLMServer:
-    def __init__(self, engine_config: dict, served_model_name: str) -> None:
+    def __init__(self, engine_config: dict, served_model_name: str, stream_messages_per_s: float = 0.0) -> None:
         self.llm = AsyncLLM(EngineConfig(**engine_config))
+        self.stream_messages_per_s = stream_messages_per_s
         try:
             replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside a Serve replica (local testing)
@@ -40,9 +42,12 @@ class LLMServer:
         self._metrics_task = asyncio.get_event_loop().create_task(self._export_metrics())
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
-        """Stream delta RequestOutputs; when the caller lags, the deltas it has not taken yet are merged,
-        so a slow consumer gets fewer, larger messages rather than a backlog. Cancellation (the caller
-        went away) aborts the request and frees its KV blocks."""
+        """Stream delta RequestOutputs. The first one leaves at once; after each later one the stream
+        rests for (streams in flight / stream_messages_per_s), and the deltas the engine made meanwhile
+        leave merged as one message. Every message crosses three processes at some CPU cost each, so
+        this caps the replica's message rate whatever the load: a lone stream still gets every step's
+        tokens, many streams get theirs a few steps at a time. Cancellation (the caller went away)
+        aborts the request and frees its KV blocks."""
         async for output in self.llm.generate(
             request.prompt_token_ids,
             request.sampling_params,
@@ -52,6 +57,8 @@ class LLMServer:
         ):
             self.metrics.observe(output)
             yield output
+            if self.stream_messages_per_s and not output.finished:
+                await asyncio.sleep(min(_MAX_STREAM_REST_S, self.llm.num_in_flight / self.stream_messages_per_s))
 
     def stats(self) -> EngineStats:
         return self.llm.stats

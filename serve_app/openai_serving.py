@@ -265,6 +265,7 @@ class OpenAIServing:
         tally = _Tally()
         sent_text: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
         async for i, output in self._stream(requests):
             tally.add(i, output)
             choices = []
@@ -276,7 +277,8 @@ class OpenAIServing:
                 if choice.text or choice.finish_reason or (choice.logprobs and choice.logprobs.tokens):
                     choices.append(choice)
             if choices:
-                yield CompletionResponse(id=request_id, model=self.model_name, choices=choices)
+                yield CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                         usage=tally.usage() if continuous else None)
         if include_usage:
             yield CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=tally.usage())
 
@@ -334,6 +336,7 @@ class OpenAIServing:
     async def _chat_stream(self, req, request_id, engine_request) -> AsyncIterator[ChatCompletionChunk]:
         tally = _Tally()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
         first = True
         async for _, output in self._stream([engine_request]):
             if first:  # the first chunk of every choice carries the role, as OpenAI's do
@@ -350,6 +353,7 @@ class OpenAIServing:
                 if c.text or c.finish_reason or (req.logprobs and c.token_ids)
             ]
             if choices:
-                yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices)
+                yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices,
+                                          usage=tally.usage() if continuous else None)
         if include_usage:
             yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=tally.usage())

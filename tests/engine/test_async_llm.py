@@ -260,3 +260,36 @@ def test_stats_snapshot(llm):
         assert after.prompt_tokens >= 99 and after.generation_tokens >= stats.generation_tokens >= 1
 
     asyncio.run(run())
+
+
+def test_engine_in_its_own_process():
+    import os
+    import signal
+
+    llm = AsyncLLM(EngineConfig(model=TINY, max_model_len=256, multiprocess=True))
+    assert llm.engine is None and llm._process.is_alive()
+
+    async def run():
+        outs = await _collect(llm, "from another process", GREEDY)
+        assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 24
+        with pytest.raises(ValueError, match="prompt"):
+            await _collect(llm, [1, 10**9], GREEDY)
+        gen = llm.generate("abort me", SamplingParams(max_tokens=200, ignore_eos=True), request_id="x")
+        await gen.__anext__()
+        await gen.aclose()
+        await _wait_until(lambda: llm.stats.num_running == 0 and llm.stats.kv_cache_usage == 0)
+        # The engine process dies: in-flight streams fail at once, the engine reports unhealthy.
+        gen = llm.generate("doomed", SamplingParams(max_tokens=200, ignore_eos=True))
+        await gen.__anext__()
+        os.kill(llm._process.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            async for _ in gen:
+                pass
+        assert not llm.is_healthy()
+        with pytest.raises(EngineDeadError):
+            await _collect(llm, "refused", GREEDY)
+
+    try:
+        asyncio.run(run())
+    finally:
+        llm.shutdown()

@@ -1,0 +1,190 @@
+"""Online serving: the Ray Serve app (one engine replica, over HTTP with SSE) against the same engine
+in-process (AsyncLLM), on one open-loop workload.
+
+    python benchmarks/serving.py [--num-requests 200] [--rate 4] [--model pagedserve-56m]
+
+Workload (fixed seed): Poisson arrivals at --rate requests/s; prompt and output lengths drawn from
+lognormal fits shaped like ShareGPT conversations (long-tailed; medians ~120 prompt / ~100 output
+tokens, scaled to this CPU), random token prompts, ignore_eos so every request produces its drawn length.
+Metrics per system: output throughput, TTFT (arrival to first token), ITL (per token: the gap before a
+streamed chunk, shared by the tokens it carries), TPOT ((e2e - TTFT) / (tokens - 1)), p50 and p99; then
+the Serve/in-process ratios."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from engine import AsyncLLM, EngineConfig, SamplingParams
+from serve_app.app_args import AppArgs
+
+# Both systems: two torch threads (Ray would otherwise give a num_cpus=0 replica OMP_NUM_THREADS=1).
+ENGINE = {"max_model_len": 2048, "kv_cache_memory_gb": 2.0, "max_num_seqs": 128, "num_threads": 2}
+
+
+@dataclass
+class Result:
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)  # per token: a chunk's gap shared by its tokens
+    tokens: int = 0
+    chunks: int = 0
+
+
+def workload(n: int, rate: float, seed: int) -> list[tuple[float, list[int], int]]:
+    rng = random.Random(seed)
+    nrng = np.random.default_rng(seed)
+    prompt_lens = np.clip(nrng.lognormal(np.log(120), 0.8, n), 8, 1024).astype(int)
+    output_lens = np.clip(nrng.lognormal(np.log(100), 0.7, n), 8, 512).astype(int)
+    t, out = 0.0, []
+    for p, o in zip(prompt_lens, output_lens):
+        t += rng.expovariate(rate)
+        out.append((t, [1] + [rng.randrange(3, 32000) for _ in range(int(p) - 1)], int(o)))
+    return out
+
+
+async def run_open_loop(requests, send) -> tuple[list[Result], float]:
+    start = time.perf_counter()
+
+    async def one(at, prompt, max_tokens):
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        return await send(prompt, max_tokens)
+
+    results = await asyncio.gather(*(one(*r) for r in requests))
+    return results, time.perf_counter() - start
+
+
+async def send_http(client: httpx.AsyncClient, url: str, model: str, prompt, max_tokens) -> Result:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    result, t0 = Result(), time.perf_counter()
+    last = None
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            now = time.perf_counter()
+            new = chunk["usage"]["completion_tokens"] - result.tokens  # tokens in this chunk
+            result.tokens += new
+            if new:
+                result.chunks += 1
+                if last is None:
+                    result.ttft = now - t0
+                else:
+                    result.itls.extend([(now - last) / new] * new)
+                last = now
+    result.e2e = time.perf_counter() - t0
+    return result
+
+
+async def send_inprocess(llm: AsyncLLM, prompt, max_tokens) -> Result:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    result, t0 = Result(), time.perf_counter()
+    last = None
+    async for out in llm.generate(prompt, params):
+        now = time.perf_counter()
+        new = len(out.outputs[0].token_ids)
+        result.tokens += new
+        if new:
+            result.chunks += 1
+            if last is None:
+                result.ttft = now - t0
+            else:
+                result.itls.extend([(now - last) / new] * new)
+            last = now
+    result.e2e = time.perf_counter() - t0
+    return result
+
+
+def summarize(name: str, results: list[Result], duration: float) -> dict:
+    tokens = sum(r.tokens for r in results)
+    ttft = [r.ttft * 1e3 for r in results]
+    itl = [x * 1e3 for r in results for x in r.itls]
+    tpot = [(r.e2e - r.ttft) / (r.tokens - 1) * 1e3 for r in results if r.tokens > 1]
+
+    def pct(values, q):
+        return float(np.percentile(values, q)) if values else float("nan")
+
+    return {"system": name, "throughput": tokens / duration, "tokens": tokens, "duration": duration,
+            "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
+            "tpot_mean": statistics.fmean(tpot) if tpot else float("nan"),
+            "chunks_per_request": statistics.fmean(r.chunks for r in results)}
+
+
+async def bench_inprocess(args, requests) -> dict:
+    llm = AsyncLLM(EngineConfig(model=args.model, **ENGINE))
+    try:
+        await send_inprocess(llm, requests[0][1], 8)  # warm-up
+        results, duration = await run_open_loop(requests, lambda p, m: send_inprocess(llm, p, m))
+    finally:
+        llm.shutdown()
+    return summarize("in-process AsyncLLM", results, duration)
+
+
+def bench_serve(args, requests) -> dict:
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    app_args = AppArgs(model=args.model, num_replicas=1, engine=ENGINE, stream_messages_per_s=args.stream_budget)
+    serve.run(build_app(app_args), name="bench", route_prefix="/")
+    url = f"http://127.0.0.1:{args.port}"
+
+    async def go():
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            await send_http(client, url, args.model, requests[0][1], 8)  # warm-up
+            return await run_open_loop(requests, lambda p, m: send_http(client, url, args.model, p, m))
+
+    try:
+        results, duration = asyncio.run(go())
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return summarize("Ray Serve app, 1 replica, HTTP", results, duration)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="pagedserve-56m")
+    ap.add_argument("--num-requests", type=int, default=200)
+    ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrival rate, requests/s")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--stream-budget", type=float, default=AppArgs.model_fields["stream_messages_per_s"].default,
+                    help="AppArgs.stream_messages_per_s of the Serve app (0: one message per engine step)")
+    args = ap.parse_args()
+    requests = workload(args.num_requests, args.rate, args.seed)
+    print(f"{len(requests)} requests at {args.rate}/s, {sum(len(p) for _, p, _ in requests)} prompt tokens, "
+          f"{sum(m for *_, m in requests)} output tokens, model {args.model}", flush=True)
+    local = asyncio.run(bench_inprocess(args, requests))
+    print(f"  in-process done: {local['throughput']:.0f} tok/s", flush=True)
+    served = bench_serve(args, requests)
+    rows = [served, local]
+    print()
+    print("| system | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | TPOT mean ms | chunks/request |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['system']} | {r['throughput']:.0f} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {r['itl_p50']:.1f} | "
+              f"{r['itl_p99']:.1f} | {r['tpot_mean']:.1f} | {r['chunks_per_request']:.1f} |")
+    print()
+    print(f"Serve / in-process output throughput: {served['throughput'] / local['throughput']:.3f} (target >= 0.90)")
+    print(f"Serve TTFT p50 added: {served['ttft_p50'] - local['ttft_p50']:+.1f} ms (target <= +10 ms; "
+          f"Ray Serve LLM users report ~+50 ms)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""The engine's step loop, run by AsyncLLM either on a thread of the caller's process or in a process of
+its own. A server's process is busy with Python work of its own (Ray messaging, HTTP); on a thread the
+engine shares one GIL with it, and every torch call that releases the GIL may wait up to a switch
+interval to get it back: measured inside a Ray Serve replica, the loop ran half as many steps per second
+as alone. In its own process the loop keeps its GIL, and outputs cross back once per step for all
+requests together.
+
+The loop takes commands ("add", PreparedRequest), ("abort", request_id), ("stop", None) and emits events:
+    ("ready", EngineStats)                                      once the engine is built
+    ("outputs", list[RequestOutput], EngineStats, num_adds)     after a step or applied commands
+    ("rejected", request_id, ValueError)                        an add the engine refused
+    ("dead", message)                                           a fatal error; the loop has ended"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.5  # an idle loop re-checks for commands this often
+
+Command = tuple[str, object]
+Event = tuple
+
+
+def run_engine_loop(engine: LLMEngine, next_command: Callable[[float], Command | None], emit: Callable[[Event], None]) -> None:
+    """Step until a "stop" command; `next_command(timeout)` returns None when nothing came in time.
+    Raises on a fatal engine error (after emitting "dead")."""
+    try:
+        while True:
+            timeout = 0.0 if engine.has_unfinished_requests() else IDLE_POLL_S
+            outputs: list[RequestOutput] = []
+            num_adds = 0
+            command = next_command(timeout)
+            while command is not None:
+                kind, payload = command
+                if kind == "stop":
+                    return
+                if kind == "add":
+                    num_adds += 1
+                    try:
+                        engine.add_prepared(payload)
+                    except ValueError as e:
+                        emit(("rejected", payload.request_id, e))
+                elif kind == "abort":
+                    outputs.extend(engine.abort_request(payload))
+                command = next_command(0.0)
+            if engine.has_unfinished_requests():
+                outputs.extend(engine.step())
+            if outputs or num_adds:
+                emit(("outputs", outputs, engine.get_stats(), num_adds))
+    except BaseException as e:
+        logger.exception("fatal engine error")
+        emit(("dead", f"the engine died: {type(e).__name__}: {e}"))
+        raise
+
+
+def run_engine_process(config: EngineConfig, commands: Connection, events: Connection) -> None:
+    """Entry point of the engine process (spawned, so it imports this module afresh)."""
+    try:
+        engine = LLMEngine(config)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        events.send(("dead", f"the engine failed to start: {type(e).__name__}: {e}"))
+        return
+    gc.collect()
+    gc.freeze()  # see AsyncLLM: full collections must not stall the loop
+    events.send(("ready", engine.get_stats()))
+
+    def next_command(timeout: float) -> Command | None:
+        return commands.recv() if commands.poll(timeout) else None
+
+    try:
+        run_engine_loop(engine, next_command, events.send)
+    except BaseException:  # noqa: BLE001 - reported as "dead" (or the parent is gone: nobody to tell)
+        pass
