@@ -32,6 +32,21 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
 
+def kv_rows(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of K and of V for each slot, in the NHD paged layout [num_blocks, 2, block_size, kv_heads,
+    head_dim] viewed as [num_blocks * 2 * block_size, kv_heads, head_dim]. Both backends use this layout
+    (it is FlashInfer's), so both store KV the same way."""
+    block, offset = slot_mapping // block_size, slot_mapping % block_size
+    k_rows = block * (2 * block_size) + offset
+    return k_rows, k_rows + block_size
+
+
+def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor) -> None:
+    rows = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])
+    rows.index_copy_(0, k_rows, k)
+    rows.index_copy_(0, v_rows, v)
+
+
 class AttentionBackend(ABC):
     name: str
 

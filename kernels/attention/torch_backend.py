@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.backend import AttentionBackend, AttentionMetadata
+from kernels.attention.backend import AttentionBackend, AttentionMetadata, kv_rows, store_kv
 from kernels.cpu import load_cpu_kernels
 
 
@@ -65,10 +65,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def plan(self, md: AttentionMetadata) -> None:
         bs, nd = self.block_size, md.num_decodes
-        # Rows of the cache viewed as [num_blocks * 2 * block_size, kv_heads, head_dim].
-        block, offset = md.slot_mapping // bs, md.slot_mapping % bs
-        self._k_rows = block * (2 * bs) + offset
-        self._v_rows = self._k_rows + bs
+        self._k_rows, self._v_rows = kv_rows(md.slot_mapping, bs)
         self._num_decodes = nd
         self._decode_tables = (md.block_tables[:nd], md.seq_lens[:nd])
         self._decode_gather = None
@@ -96,9 +93,7 @@ class TorchAttentionBackend(AttentionBackend):
         return blocks[:, 0].reshape(shape), blocks[:, 1].reshape(shape)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        rows = kv_cache.view(-1, self.num_kv_heads, self.head_dim)
-        rows.index_copy_(0, self._k_rows, k)
-        rows.index_copy_(0, self._v_rows, v)
+        store_kv(kv_cache, k, v, self._k_rows, self._v_rows)
         out = torch.empty_like(q)
         nd = self._num_decodes
         if nd and self._cpu_kernels is not None:
