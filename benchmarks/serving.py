@@ -37,6 +37,25 @@ class Result:
     itls: list[float] = field(default_factory=list)  # per token: a chunk's gap shared by its tokens
     tokens: int = 0
     chunks: int = 0
+    start: float = field(default_factory=time.perf_counter)
+    last: float | None = None
+
+    def chunk(self, new_tokens: int) -> None:
+        """A streamed chunk carrying `new_tokens` tokens arrived now."""
+        now = time.perf_counter()
+        self.tokens += new_tokens
+        if not new_tokens:
+            return
+        self.chunks += 1
+        if self.last is None:
+            self.ttft = now - self.start
+        else:
+            self.itls.extend([(now - self.last) / new_tokens] * new_tokens)
+        self.last = now
+
+    def done(self) -> Result:
+        self.e2e = time.perf_counter() - self.start
+        return self
 
 
 def workload(n: int, rate: float, seed: int) -> list[tuple[float, list[int], int]]:
@@ -65,45 +84,21 @@ async def run_open_loop(requests, send) -> tuple[list[Result], float]:
 async def send_http(client: httpx.AsyncClient, url: str, model: str, prompt, max_tokens) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    result, t0 = Result(), time.perf_counter()
-    last = None
+    result = Result()
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            now = time.perf_counter()
-            new = chunk["usage"]["completion_tokens"] - result.tokens  # tokens in this chunk
-            result.tokens += new
-            if new:
-                result.chunks += 1
-                if last is None:
-                    result.ttft = now - t0
-                else:
-                    result.itls.extend([(now - last) / new] * new)
-                last = now
-    result.e2e = time.perf_counter() - t0
-    return result
+            if line.startswith("data: {"):  # continuous usage: the tokens so far, hence this chunk's
+                result.chunk(json.loads(line[6:])["usage"]["completion_tokens"] - result.tokens)
+    return result.done()
 
 
 async def send_inprocess(llm: AsyncLLM, prompt, max_tokens) -> Result:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    result, t0 = Result(), time.perf_counter()
-    last = None
+    result = Result()
     async for out in llm.generate(prompt, params):
-        now = time.perf_counter()
-        new = len(out.outputs[0].token_ids)
-        result.tokens += new
-        if new:
-            result.chunks += 1
-            if last is None:
-                result.ttft = now - t0
-            else:
-                result.itls.extend([(now - last) / new] * new)
-            last = now
-    result.e2e = time.perf_counter() - t0
-    return result
+        result.chunk(len(out.outputs[0].token_ids))
+    return result.done()
 
 
 def summarize(name: str, results: list[Result], duration: float) -> dict:
