@@ -170,8 +170,8 @@ def main() -> None:
 
     ours = rows[0][1] / rows[0][2]
     print()
-    print(f"| system | output tokens | seconds | output tok/s | pagedserve / system |")
-    print(f"|---|---:|---:|---:|---:|")
+    print("| system | output tokens | seconds | output tok/s | pagedserve / system |")
+    print("|---|---:|---:|---:|---:|")
     for name, tokens, seconds in rows:
         rate = tokens / seconds
         print(f"| {name} | {tokens} | {seconds:.1f} | {rate:.0f} | {ours / rate:.2f}x |")

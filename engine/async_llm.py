@@ -29,7 +29,6 @@ from engine.input_processor import InputProcessor, PreparedRequest
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, merge_deltas
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +68,7 @@ class AsyncLLM:
         self._num_pending_adds = 0
         self._dead: EngineDeadError | None = None
         self._stopping = False
+        self.cache_summary = b""  # packed uint64 short hashes of the cached blocks (for routers)
         if config.multiprocess:
             self.engine = None  # lives in the engine process
             self.processor = InputProcessor.from_config(config)
@@ -238,6 +238,8 @@ class AsyncLLM:
                 self._publish(outputs)
         elif kind == "rejected":
             self._deliver_error(event[1], event[2])
+        elif kind == "cache_summary":
+            self.cache_summary = event[1]
         elif kind == "dead":
             self._fail_all(EngineDeadError(event[1]))
 

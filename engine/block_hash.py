@@ -42,3 +42,9 @@ def hash_block_chain(
         extra = (cache_salt,) if cache_salt is not None and not hashes else None
         hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size], extra))
     return hashes
+
+
+def short_hash(block_hash: BlockHash) -> int:
+    """The low 64 bits: how replicas summarise the blocks they hold for the router (compact, and still
+    collision-free in practice at millions of blocks)."""
+    return block_hash & 0xFFFF_FFFF_FFFF_FFFF

@@ -75,6 +75,7 @@ class BlockPool:
         self.null_block.ref_cnt = 1
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.cache_version = 0  # bumped whenever the set of cached hashes changes
 
     @property
     def num_usable_blocks(self) -> int:
@@ -99,6 +100,7 @@ class BlockPool:
             if block.block_hash is not None:  # lazy eviction happens here
                 if self.cached_block_hash_to_block.get(block.block_hash) is block:
                     del self.cached_block_hash_to_block[block.block_hash]
+                    self.cache_version += 1
                 block.block_hash = None
             block.ref_cnt = 1
             blocks.append(block)
@@ -123,7 +125,8 @@ class BlockPool:
             return
         block.block_hash = block_hash
         # First writer wins; a duplicate stays uncached and returns to the pool like any block.
-        self.cached_block_hash_to_block.setdefault(block_hash, block)
+        if self.cached_block_hash_to_block.setdefault(block_hash, block) is block:
+            self.cache_version += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""
@@ -132,4 +135,5 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks[1:]:
             block.block_hash = None
+        self.cache_version += 1
         return True

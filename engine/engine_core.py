@@ -9,12 +9,15 @@ The loop takes commands ("add", PreparedRequest), ("abort", request_id), ("stop"
     ("ready", EngineStats)                                      once the engine is built
     ("outputs", list[RequestOutput], EngineStats, num_adds)     after a step or applied commands
     ("rejected", request_id, ValueError)                        an add the engine refused
+    ("cache_summary", bytes)                                    the prefix cache's blocks, when changed
+                                                                (at most every SUMMARY_PERIOD_S)
     ("dead", message)                                           a fatal error; the loop has ended"""
 
 from __future__ import annotations
 
 import gc
 import logging
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -25,6 +28,7 @@ from engine.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # an idle loop re-checks for commands this often
+SUMMARY_PERIOD_S = 0.5  # the prefix-cache summary for routers is refreshed at most this often
 
 Command = tuple[str, object]
 Event = tuple
@@ -33,8 +37,13 @@ Event = tuple
 def run_engine_loop(engine: LLMEngine, next_command: Callable[[float], Command | None], emit: Callable[[Event], None]) -> None:
     """Step until a "stop" command; `next_command(timeout)` returns None when nothing came in time.
     Raises on a fatal engine error (after emitting "dead")."""
+    summary_version, summary_time = -1, 0.0
     try:
         while True:
+            now = time.monotonic()
+            if engine.cache_version != summary_version and now - summary_time >= SUMMARY_PERIOD_S:
+                summary_version, summary_time = engine.cache_version, now
+                emit(("cache_summary", engine.cache_summary()))
             timeout = 0.0 if engine.has_unfinished_requests() else IDLE_POLL_S
             outputs: list[RequestOutput] = []
             num_adds = 0

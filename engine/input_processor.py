@@ -59,7 +59,7 @@ class InputProcessor:
     @classmethod
     def from_config(cls, config: EngineConfig) -> InputProcessor:
         """Without the weights: for a process that validates requests but runs no model."""
-        path = resolve_model_path(config.model, config.revision)
+        path = resolve_model_path(config.model, config.revision, weights=False)
         model_config = ModelConfig.from_pretrained(path)
         tokenizer = load_tokenizer(config.tokenizer or path, config.revision if config.tokenizer else None)
         return cls(config, model_config, tokenizer, resolve_max_model_len(config, model_config))

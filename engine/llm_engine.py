@@ -7,8 +7,10 @@ import logging
 import time
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
+from engine.block_hash import short_hash
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.input_processor import InputProcessor, PreparedRequest, resolve_max_model_len
@@ -20,6 +22,7 @@ from engine.output_processor import OutputProcessor
 from engine.outputs import Logprob, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import sample_seed
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineStats
 from engine.tokenizer import load_tokenizer
@@ -230,6 +233,17 @@ class LLMEngine:
                 for child in reversed(waiting):  # they arrived before anything now waiting
                     self.scheduler.add_request(child, front=True)
                 del self._parked[rid]
+
+    def cache_summary(self, max_blocks: int = 65536) -> bytes:
+        """The short hashes (engine/block_hash.py) of the blocks the prefix cache holds, newest last, as
+        packed uint64: what a router needs to know which prompts this engine could serve from cache."""
+        cached = self.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block
+        keys = list(cached)[-max_blocks:]
+        return np.fromiter((short_hash(h) for h in keys), dtype=np.uint64, count=len(keys)).tobytes()
+
+    @property
+    def cache_version(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.cache_version
 
     def get_stats(self) -> EngineStats:
         s, kv = self.scheduler, self.scheduler.kv_cache_manager

@@ -74,7 +74,7 @@ class AnthropicServing:
         try:
             return ChatCompletionRequest(
                 model=req.model, messages=messages, max_tokens=req.max_tokens, temperature=req.temperature,
-                top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences, stream=req.stream,
+                top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences, stream=req.stream, ignore_eos=req.ignore_eos,
                 add_generation_prompt=not prefill,
                 chat_template_kwargs={"continue_final_message": True} if prefill else None,
             )

@@ -13,12 +13,19 @@ from serve_app.llm_server import LLMServer
 
 
 def build_app(args: AppArgs) -> Application:
+    engine_config = args.engine_config()
     router = ROUTERS[args.router]
+    router_config = RequestRouterConfig()
+    if router is not None:
+        kwargs = {"block_size": engine_config.block_size, **args.router_kwargs} if args.router == "prefix" else {}
+        router_config = RequestRouterConfig(request_router_class=router, request_router_kwargs=kwargs,
+                                            request_routing_stats_period_s=1, request_routing_stats_timeout_s=5)
+    autoscaling = args.engine_autoscaling_config()
     engine = LLMServer.options(
-        num_replicas=args.num_replicas,
+        **({"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": args.num_replicas}),
         max_ongoing_requests=args.max_ongoing_requests,
         ray_actor_options=args.ray_actor_options,
         graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
-        request_router_config=RequestRouterConfig(request_router_class=router) if router else RequestRouterConfig(),
-    ).bind(args.engine_config().model_dump(mode="json"), args.name, args.stream_messages_per_s)
+        request_router_config=router_config,
+    ).bind(engine_config.model_dump(mode="json"), args.name, args.stream_messages_per_s)
     return OpenAIIngress.options(num_replicas=args.ingress_replicas).bind(engine, args.model_dump())

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engine.config import EngineConfig
 
 ROUTERS = {
+    "prefix": "serve_app.routing.ray_router.PrefixRouter",  # prefix-cache affinity traded against load
     "pow2": None,  # Ray Serve's default power-of-two-choices router
     "round_robin": "ray.serve.experimental.round_robin_router.RoundRobinRouter",
 }
@@ -24,7 +25,17 @@ class AppArgs(BaseModel):
     num_replicas: int = Field(1, ge=1, description="Engine replicas (LLMServer), when not autoscaling.")
     ingress_replicas: int = Field(1, ge=1, description="Ingress replicas (OpenAIIngress).")
     max_ongoing_requests: int = Field(256, ge=1, description="Requests in flight per engine replica.")
-    router: Literal["pow2", "round_robin"] = Field("pow2", description="How the ingress picks an engine replica.")
+    router: Literal["prefix", "pow2", "round_robin"] = Field(
+        "prefix", description="How the ingress picks an engine replica: prefix affinity, or Ray's pow2 / round robin."
+    )
+    router_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="PrefixRouterConfig fields for router=prefix (block_size is set for you)."
+    )
+    autoscaling_config: dict[str, Any] | None = Field(
+        None,
+        description="Ray Serve autoscaling_config of the engine replicas (replaces num_replicas). Without a "
+        "`policy`, the KV/queue policy (autoscale.ray_policy:KVQueueAutoscalingPolicy) is used.",
+    )
     api_keys: list[str] = Field(default_factory=list, description="If set, /v1/* requires one of them.")
     ray_actor_options: dict[str, Any] = Field(
         default_factory=lambda: {"num_cpus": 0}, description="Ray actor options of each engine replica."
@@ -45,6 +56,14 @@ class AppArgs(BaseModel):
             raise ValueError("engine.model: set the model with the top-level `model` field")
         self.engine_config()  # fails naming the engine field
         return self
+
+    def engine_autoscaling_config(self) -> dict[str, Any] | None:
+        if self.autoscaling_config is None:
+            return None
+        config = {"metrics_interval_s": 1, "look_back_period_s": 5, "upscale_delay_s": 0, "downscale_delay_s": 0,
+                  **self.autoscaling_config}
+        config.setdefault("policy", {"policy_function": "autoscale.ray_policy:KVQueueAutoscalingPolicy"})
+        return config
 
     @property
     def name(self) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator
 
 from ray import serve
@@ -83,8 +84,10 @@ class LLMServer:
         return {"kv_cache_usage": s.kv_cache_usage, "num_waiting": float(s.num_waiting), "num_running": float(s.num_running)}
 
     def record_routing_stats(self) -> dict:
+        """Load, and the prefix cache's block summary (packed uint64 short hashes) for the prefix router."""
         s = self.llm.stats
-        return {"kv_cache_usage": s.kv_cache_usage, "num_waiting": s.num_waiting, "num_running": s.num_running}
+        return {"kv_cache_usage": s.kv_cache_usage, "num_waiting": s.num_waiting, "num_running": s.num_running,
+                "cached_blocks": self.llm.cache_summary, "reported_at": time.time()}
 
     async def _export_metrics(self) -> None:
         while True:

@@ -5,7 +5,9 @@ Python callers holding a DeploymentHandle to the ingress share it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -66,6 +68,17 @@ class _Tally:
             total_tokens=self.prompt_tokens + self.completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
         )
+
+
+def _own_internal_request_id() -> None:
+    """Ray Serve gives every handle call made while serving one request that request's internal id, and a
+    content-aware (non-FIFO) router, like ours, matches chosen replicas to pending calls by that id: two
+    calls in flight at once for one request (a batch of prompts) then wait on each other forever. Give
+    the calls of this context an id of their own. (Relies on Serve's private request context.)"""
+    from ray.serve import context
+
+    current = context._get_serve_request_context()
+    context._serve_request_context.set(dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex))
 
 
 class OpenAIServing:
@@ -143,6 +156,7 @@ class OpenAIServing:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, request: EngineRequest) -> None:
+            _own_internal_request_id()  # this task's context is a copy: the change stays in it
             try:
                 async for output in self.engine.generate.remote(request):
                     await queue.put((i, output))

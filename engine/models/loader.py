@@ -17,8 +17,9 @@ from engine.models.llama import LlamaForCausalLM
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "*.tiktoken"]
 
 
-def resolve_model_path(model: str, revision: str | None = None) -> Path:
-    """A built-in name, a local folder, or a hub id (downloaded into the Hugging Face cache)."""
+def resolve_model_path(model: str, revision: str | None = None, weights: bool = True) -> Path:
+    """A built-in name, a local folder, or a hub id (downloaded into the Hugging Face cache; without
+    its weights when `weights` is False, for processes that only tokenize)."""
     if model in BUILTIN_MODELS:
         return materialize_builtin(model)
     path = Path(model).expanduser()
@@ -33,7 +34,8 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
         )
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(model, revision=revision, allow_patterns=_HUB_PATTERNS))
+    patterns = _HUB_PATTERNS if weights else [p for p in _HUB_PATTERNS if p != "*.safetensors"]
+    return Path(snapshot_download(model, revision=revision, allow_patterns=patterns))
 
 
 def build_model(

@@ -76,6 +76,7 @@ class MessagesRequest(_Request):
     top_k: int | None = Field(None, ge=0, description="Keep the k most likely tokens; 0 keeps all.")
     stream: bool = False
     metadata: dict[str, Any] | None = Field(None, description="Accepted and ignored.")
+    ignore_eos: bool = Field(False, description="vLLM extension: keep generating past the end-of-sequence token.")
 
     @field_validator("system", mode="before")
     @classmethod

@@ -205,12 +205,16 @@ def test_disconnect_mid_stream_aborts(serve_app_url, engine_handle):
     def idle() -> bool:
         return all(s.num_running == 0 and s.num_waiting == 0 for s in engine_handle.broadcast("stats").results())
 
+    def generated() -> int:
+        return sum(s.generation_tokens for s in engine_handle.broadcast("stats").results())
+
     wait_for(idle)
-    body = {"model": MODEL, "max_tokens": 900, "messages": HELLO, "stream": True}
+    before = generated()
+    body = {"model": MODEL, "max_tokens": 900, "messages": HELLO, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", serve_app_url + "/v1/messages", json=body, timeout=60) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line == "event: content_block_delta":
                 break
-        assert not idle()  # generating now
-    wait_for(idle, timeout=20)  # the closed connection aborted the request
+    wait_for(idle, timeout=20)  # the closed connection aborted the request...
+    assert generated() - before < 900  # ...well before its 900 tokens

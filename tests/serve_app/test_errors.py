@@ -7,7 +7,7 @@ import threading
 import httpx
 import pytest
 
-from tests.serve_app.conftest import APP, wait_for
+from tests.serve_app.conftest import wait_for
 
 MODEL = "pagedserve-tiny"
 

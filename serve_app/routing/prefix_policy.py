@@ -1,0 +1,165 @@
+"""The prefix-affinity routing decision, as a pure core: no Ray here. The Ray adapter
+(serve_app/routing/ray_router.py) and the cluster simulator (benchmarks/) call it unchanged.
+
+A request arrives with its prompt's chained block hashes (engine/block_hash.py). For each replica we
+estimate how many of those blocks, from block 0, it already holds: precisely, from the summary of cached
+block hashes the replica reports (when fresh enough), else approximately, from this router's own record
+of where it sent which prefixes (aged, LRU-bounded). The replica with the lowest cost wins:
+
+    cost = tokens it would still have to prefill + load_weight_tokens x (waiting + running / 8)
+           + a penalty when its KV cache is nearly full (it would evict or preempt)
+
+Guards learned from the anchors' bugs (reference/routing_autoscaling.md, section 8):
+- a cache miss is not sent to the emptiest cache but balanced by load, and among the least loaded by
+  rendezvous hashing of the prompt's first block, so a new shared prefix lands on one replica instead of
+  being prefilled everywhere, and every ingress replica picks the same one;
+- a hot prefix spills: its holder's queue raises its cost until another replica wins and caches it too;
+- prompts shorter than min_prefix_blocks skip affinity;
+- stats older than max_stats_age_s are not trusted: the approximate record takes over;
+- ties break deterministically (the same stats give the same choice on every ingress replica)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from engine.block_hash import short_hash
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    replica_id: str
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    cached_blocks: frozenset[int] | None = None  # short hashes of the blocks it holds; None: not reported
+    stats_age_s: float = 0.0
+
+
+@dataclass
+class RoutingDecision:
+    ranked: list[str]  # replica ids, best first
+    matched_blocks: int  # prompt blocks the first choice is estimated to hold
+    reason: str  # "prefix" | "load" | "short_prompt" | "spill"
+    source: str  # where matched_blocks came from: "precise" | "approximate" | "none"
+
+
+@dataclass
+class PrefixRouterConfig:
+    """Every knob is a `request_router_kwargs` setting of the `prefix` router."""
+
+    block_size: int = 16  # tokens per block: the engine's block_size
+    min_prefix_blocks: int = 2  # prompts with fewer full blocks are routed by load alone
+    load_weight_tokens: float = 512.0  # one waiting request costs like prefilling this many tokens
+    kv_full_usage: float = 0.92  # above this KV usage a replica would evict or preempt
+    kv_full_penalty_tokens: float = 4096.0
+    max_stats_age_s: float = 5.0  # older replica reports are not trusted
+    approx_ttl_s: float = 300.0  # the router's own record forgets a routing after this long
+    approx_capacity_blocks: int = 200_000  # per replica, LRU
+
+
+@dataclass
+class _ApproxIndex:
+    """Where this router sent which blocks: short hash -> {replica: last time}, LRU-bounded per replica."""
+
+    ttl_s: float
+    capacity: int
+    holders: dict[int, dict[str, float]] = field(default_factory=dict)
+    lru: dict[str, OrderedDict] = field(default_factory=dict)
+
+    def record(self, hashes: list[int], replica: str, now: float) -> None:
+        order = self.lru.setdefault(replica, OrderedDict())
+        for h in hashes:
+            self.holders.setdefault(h, {})[replica] = now
+            order[h] = None
+            order.move_to_end(h)
+        while len(order) > self.capacity:
+            old, _ = order.popitem(last=False)
+            holders = self.holders.get(old)
+            if holders is not None:
+                holders.pop(replica, None)
+                if not holders:
+                    del self.holders[old]
+
+    def holds(self, h: int, replica: str, now: float, since: float | None = None) -> bool:
+        """Sent there within the TTL (and, with `since`, after that time)."""
+        seen = self.holders.get(h, {}).get(replica)
+        return seen is not None and now - seen <= self.ttl_s and (since is None or seen >= since)
+
+    def forget(self, replica: str) -> None:
+        for h in self.lru.pop(replica, ()):
+            holders = self.holders.get(h)
+            if holders is not None:
+                holders.pop(replica, None)
+                if not holders:
+                    del self.holders[h]
+
+
+def _rendezvous(key: int, replica_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}:{replica_id}".encode(), digest_size=8).digest(), "little")
+
+
+class PrefixRouterPolicy:
+    def __init__(self, config: PrefixRouterConfig | None = None) -> None:
+        self.config = config or PrefixRouterConfig()
+        self._approx = _ApproxIndex(self.config.approx_ttl_s, self.config.approx_capacity_blocks)
+
+    def route(self, block_hashes: list[int], replicas: list[ReplicaLoad], now: float) -> RoutingDecision:
+        if not replicas:
+            return RoutingDecision([], 0, "load", "none")
+        cfg = self.config
+        hashes = [short_hash(h) for h in block_hashes]
+        key = hashes[0] if hashes else 0
+        if len(hashes) < cfg.min_prefix_blocks:
+            ranked = sorted(replicas, key=lambda r: (self._load_cost(r), _rendezvous(key, r.replica_id)))
+            return RoutingDecision([r.replica_id for r in ranked], 0, "short_prompt", "none")
+        scored = []
+        for r in replicas:
+            matched, source = self._matched(hashes, r, now)
+            cost = (len(hashes) - matched) * cfg.block_size + self._load_cost(r)
+            scored.append((cost, _rendezvous(key, r.replica_id), r, matched, source))
+        scored.sort(key=lambda s: (s[0], s[1]))
+        _, _, best, matched, source = scored[0]
+        most = max(s[3] for s in scored)
+        if most == 0:
+            reason = "load"
+        elif matched == most:
+            reason = "prefix"
+        else:
+            reason = "spill"  # a holder exists but is too busy: this one will cache the prefix too
+        return RoutingDecision([s[2].replica_id for s in scored], matched, reason, source if matched else "none")
+
+    def record(self, block_hashes: list[int], replica_id: str, now: float) -> None:
+        """The request went to `replica_id`: from now on it (approximately) holds the prompt's blocks."""
+        self._approx.record([short_hash(h) for h in block_hashes], replica_id, now)
+
+    def forget_replica(self, replica_id: str) -> None:
+        self._approx.forget(replica_id)
+
+    def _load_cost(self, r: ReplicaLoad) -> float:
+        cfg = self.config
+        cost = cfg.load_weight_tokens * (r.num_waiting + r.num_running / 8)
+        if r.kv_cache_usage >= cfg.kv_full_usage:
+            cost += cfg.kv_full_penalty_tokens
+        return cost
+
+    def _matched(self, hashes: list[int], r: ReplicaLoad, now: float) -> tuple[int, str]:
+        """Blocks of the prompt, from block 0, the replica holds; and which knowledge said so. A fresh
+        report wins; only routings made after it (which it cannot show yet) may extend it."""
+        since = None
+        precise = 0
+        if r.cached_blocks is not None and r.stats_age_s <= self.config.max_stats_age_s:
+            for h in hashes:
+                if h not in r.cached_blocks:
+                    break
+                precise += 1
+            since = now - r.stats_age_s
+        approx = 0
+        for h in hashes:
+            if not self._approx.holds(h, r.replica_id, now, since):
+                break
+            approx += 1
+        if since is not None and precise >= approx:
+            return precise, "precise"
+        return approx, "approximate"

@@ -1,0 +1,67 @@
+"""The Ray Serve adapter of the prefix router: a RequestRouter on the LLMServer deployment that hands
+the request's block hashes (the EngineRequest, the call's first argument) and the replicas' routing
+stats to the pure core (prefix_policy.py), and returns its ranking as singleton ranks, so that Serve
+falls through to the next choice when one replica is full."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from serve_app.engine_request import EngineRequest
+from serve_app.routing.prefix_policy import PrefixRouterConfig, PrefixRouterPolicy, ReplicaLoad
+
+
+class PrefixRouter(RequestRouter):
+    def initialize_state(self, **kwargs) -> None:
+        """`request_router_kwargs` are PrefixRouterConfig fields."""
+        self.policy = PrefixRouterPolicy(PrefixRouterConfig(**kwargs))
+        self._summaries: dict[str, tuple[bytes, frozenset[int]]] = {}
+        self.last_decision = None
+
+    def _load(self, replica: RunningReplica, now: float) -> ReplicaLoad:
+        stats = replica.routing_stats or {}
+        rid = replica.replica_id.unique_id
+        raw = stats.get("cached_blocks")
+        blocks = None
+        if raw is not None:
+            cached = self._summaries.get(rid)
+            if cached is None or cached[0] is not raw:  # decode each report once
+                cached = (raw, frozenset(np.frombuffer(raw, dtype=np.uint64).tolist()))
+                self._summaries[rid] = cached
+            blocks = cached[1]
+        return ReplicaLoad(
+            replica_id=rid,
+            num_running=int(stats.get("num_running", 0)),
+            num_waiting=int(stats.get("num_waiting", 0)),
+            kv_cache_usage=float(stats.get("kv_cache_usage", 0.0)),
+            cached_blocks=blocks,
+            stats_age_s=now - stats["reported_at"] if "reported_at" in stats else float("inf"),
+        )
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # never spin when every replica is full
+        if not candidate_replicas:
+            return []
+        request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        hashes = request.block_hashes if isinstance(request, EngineRequest) else []
+        now = time.time()
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        decision = self.policy.route(hashes, [self._load(r, now) for r in candidate_replicas], now)
+        self.last_decision = decision
+        return [[by_id[rid]] for rid in decision.ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        request = pending_request.args[0] if pending_request.args else None
+        if isinstance(request, EngineRequest) and request.block_hashes:
+            self.policy.record(request.block_hashes, replica_id.unique_id, time.time())
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.policy.forget_replica(replica_id.unique_id)
+        self._summaries.pop(replica_id.unique_id, None)

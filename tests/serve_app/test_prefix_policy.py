@@ -1,0 +1,120 @@
+"""The prefix router's pure core: affinity, load, the guards against hot spots, staleness, determinism."""
+
+from __future__ import annotations
+
+from engine.block_hash import hash_block_chain, short_hash
+from serve_app.routing.prefix_policy import PrefixRouterConfig, PrefixRouterPolicy, ReplicaLoad
+
+BS = 16
+
+
+def prompt(tenant: int, question: int, prefix_blocks: int = 20) -> list[int]:
+    tokens = [1000 + tenant] * (prefix_blocks * BS) + [5000 + question] * (2 * BS)
+    return hash_block_chain(tokens, BS)
+
+
+def holding(hashes: list[int], n: int) -> frozenset[int]:
+    return frozenset(short_hash(h) for h in hashes[:n])
+
+
+def replicas(**overrides) -> list[ReplicaLoad]:
+    base = {rid: ReplicaLoad(rid) for rid in ("a", "b", "c")}
+    base.update(overrides)
+    return list(base.values())
+
+
+def test_longest_prefix_from_block_zero_wins():
+    h = prompt(1, 1)
+    loads = replicas(
+        a=ReplicaLoad("a", cached_blocks=holding(h, 5)),
+        b=ReplicaLoad("b", cached_blocks=holding(h, 20)),
+        c=ReplicaLoad("c", cached_blocks=frozenset(short_hash(x) for x in h[1:22])),  # no block 0: no match
+    )
+    d = PrefixRouterPolicy().route(h, loads, now=0.0)
+    assert d.ranked[0] == "b" and d.matched_blocks == 20 and d.reason == "prefix" and d.source == "precise"
+    assert d.ranked.index("a") < d.ranked.index("c")
+
+
+def test_load_trades_against_affinity_and_a_hot_prefix_spills():
+    h = prompt(1, 1, prefix_blocks=4)  # a short prefix: 64 cached tokens are worth little
+    busy = ReplicaLoad("a", num_waiting=3, cached_blocks=holding(h, 4))
+    d = PrefixRouterPolicy().route(h, replicas(a=busy), now=0.0)
+    assert d.ranked[0] != "a" and d.reason == "spill"
+    long = prompt(1, 1, prefix_blocks=200)  # 3200 cached tokens outweigh three waiting requests
+    d = PrefixRouterPolicy().route(long, replicas(a=ReplicaLoad("a", num_waiting=3, cached_blocks=holding(long, 200))), 0.0)
+    assert d.ranked[0] == "a"
+
+
+def test_cache_miss_balances_load_then_hashes_consistently():
+    policy = PrefixRouterPolicy()
+    loads = replicas(a=ReplicaLoad("a", num_waiting=2), b=ReplicaLoad("b", num_running=1))
+    d = policy.route(prompt(7, 1), loads, 0.0)
+    assert d.ranked[0] == "c" and d.reason == "load" and d.matched_blocks == 0  # the least loaded, not a
+    # Equal loads: rendezvous hashing on the first block spreads tenants but is the same everywhere.
+    even = replicas()
+    picks = {PrefixRouterPolicy().route(prompt(t, 1), even, 0.0).ranked[0] for t in range(30)}
+    assert picks == {"a", "b", "c"}
+    for t in range(30):
+        first = PrefixRouterPolicy().route(prompt(t, 1), even, 0.0).ranked
+        assert PrefixRouterPolicy().route(prompt(t, 2), list(reversed(even)), 0.0).ranked == first
+
+
+def test_approximate_record_when_no_precise_stats():
+    policy = PrefixRouterPolicy()
+    h = prompt(3, 1)
+    first = policy.route(h, replicas(), now=0.0)
+    policy.record(h, first.ranked[0], now=0.0)
+    again = policy.route(prompt(3, 2), replicas(), now=1.0)
+    assert again.ranked[0] == first.ranked[0] and again.source == "approximate" and again.matched_blocks == 20
+    stale = policy.route(prompt(3, 2), replicas(), now=10_000.0)  # aged out
+    assert stale.matched_blocks == 0
+
+
+def test_fresh_reports_beat_router_memory_and_stale_ones_do_not():
+    policy = PrefixRouterPolicy(PrefixRouterConfig(max_stats_age_s=5))
+    h = prompt(4, 1)
+    policy.record(h, "a", now=0.0)  # the router once sent it to a...
+    reported_by_b = ReplicaLoad("b", cached_blocks=holding(h, 20), stats_age_s=1.0)  # ...but b holds it
+    a_says_nothing = ReplicaLoad("a", cached_blocks=frozenset(), stats_age_s=1.0)
+    d = policy.route(h, replicas(a=a_says_nothing, b=reported_by_b), now=100.0)
+    assert d.ranked[0] == "b" and d.source == "precise"
+    old = ReplicaLoad("b", cached_blocks=holding(h, 20), stats_age_s=60.0)  # too old to trust
+    d = policy.route(h, replicas(a=ReplicaLoad("a"), b=old), now=100.0)
+    assert d.matched_blocks == 22 and d.ranked[0] == "a" and d.source == "approximate"
+
+
+def test_routings_newer_than_a_report_extend_it():
+    policy = PrefixRouterPolicy()
+    h = prompt(5, 1)
+    policy.record(h, "c", now=99.5)  # after c's report, which cannot show it yet
+    c = ReplicaLoad("c", cached_blocks=frozenset(), stats_age_s=1.0)
+    assert policy.route(h, replicas(c=c), now=100.0).ranked[0] == "c"
+
+
+def test_short_prompts_skip_affinity_and_nearly_full_caches_are_avoided():
+    policy = PrefixRouterPolicy(PrefixRouterConfig(min_prefix_blocks=2))
+    short = hash_block_chain([9] * BS, BS)  # one block
+    loads = replicas(a=ReplicaLoad("a", cached_blocks=holding(short, 1), num_running=8))
+    d = policy.route(short, loads, 0.0)
+    assert d.reason == "short_prompt" and d.ranked[-1] == "a"
+    h = prompt(6, 1)
+    full = ReplicaLoad("a", kv_cache_usage=0.97, cached_blocks=holding(h, 2))
+    assert policy.route(h, replicas(a=full), 0.0).ranked[-1] == "a"
+
+
+def test_empty_and_forgotten_replicas():
+    policy = PrefixRouterPolicy()
+    assert policy.route(prompt(1, 1), [], 0.0).ranked == []
+    h = prompt(8, 1)
+    policy.record(h, "a", 0.0)
+    policy.forget_replica("a")
+    assert policy.route(h, replicas(), 1.0).matched_blocks == 0
+
+
+def test_approximate_record_is_bounded_per_replica():
+    policy = PrefixRouterPolicy(PrefixRouterConfig(approx_capacity_blocks=50))
+    for t in range(20):
+        policy.record(prompt(t, 1), "a", now=float(t))
+    assert len(policy._approx.lru["a"]) <= 50
+    assert policy.route(prompt(19, 1), replicas(), 20.0).matched_blocks == 22  # the newest survive
+    assert policy.route(prompt(0, 1), replicas(), 20.0).matched_blocks == 0
