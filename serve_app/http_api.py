@@ -51,13 +51,22 @@ def json_response(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
+# JSON leaves these unescaped, but line readers built on str.splitlines() (httpx's among them) end a
+# line at each: generated text containing one would cut an event in two.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_event(model: BaseModel) -> str:
+    return f"data: {model.model_dump_json().translate(_LINE_BREAKS)}\n\n"
+
+
 async def sse(chunks: AsyncIterator[BaseModel], first: BaseModel | None, done: bool = True) -> AsyncIterator[str]:
     """Server-sent events; an error after the first byte becomes a final `data:` error event."""
     try:
         if first is not None:
-            yield f"data: {first.model_dump_json()}\n\n"
+            yield sse_event(first)
             async for chunk in chunks:
-                yield f"data: {chunk.model_dump_json()}\n\n"
+                yield sse_event(chunk)
     except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
         logger.warning("stream failed: %s", e)
         yield from_exception(e).sse_event()

@@ -6,8 +6,13 @@ estimate how many of those blocks, from block 0, it already holds: precisely, fr
 block hashes the replica reports (when fresh enough), else approximately, from this router's own record
 of where it sent which prefixes (aged, LRU-bounded). The replica with the lowest cost wins:
 
-    cost = tokens it would still have to prefill + load_weight_tokens x (waiting + running / 8)
+    cost = tokens it would still have to prefill
+           + waiting_cost_tokens x requests waiting there + running_cost_tokens x requests running there
            + a penalty when its KV cache is nearly full (it would evict or preempt)
+
+Replica reports are up to a stats period old; requests this router sent since are counted too (in
+flight until Serve reports them completed), so a burst does not pile onto one replica that still
+reports an empty queue.
 
 Guards learned from the anchors' bugs (reference/routing_autoscaling.md, section 8):
 - a cache miss is not sent to the emptiest cache but balanced by load, and among the least loaded by
@@ -51,7 +56,8 @@ class PrefixRouterConfig:
 
     block_size: int = 16  # tokens per block: the engine's block_size
     min_prefix_blocks: int = 2  # prompts with fewer full blocks are routed by load alone
-    load_weight_tokens: float = 512.0  # one waiting request costs like prefilling this many tokens
+    waiting_cost_tokens: float = 256.0  # a request queued ahead delays us like prefilling this many tokens
+    running_cost_tokens: float = 32.0  # a running request slows each step a little
     kv_full_usage: float = 0.92  # above this KV usage a replica would evict or preempt
     kv_full_penalty_tokens: float = 4096.0
     max_stats_age_s: float = 5.0  # older replica reports are not trusted
@@ -104,6 +110,7 @@ class PrefixRouterPolicy:
     def __init__(self, config: PrefixRouterConfig | None = None) -> None:
         self.config = config or PrefixRouterConfig()
         self._approx = _ApproxIndex(self.config.approx_ttl_s, self.config.approx_capacity_blocks)
+        self._in_flight: dict[str, list[float]] = {}  # replica -> send times of this router's open requests
 
     def route(self, block_hashes: list[int], replicas: list[ReplicaLoad], now: float) -> RoutingDecision:
         if not replicas:
@@ -112,12 +119,12 @@ class PrefixRouterPolicy:
         hashes = [short_hash(h) for h in block_hashes]
         key = hashes[0] if hashes else 0
         if len(hashes) < cfg.min_prefix_blocks:
-            ranked = sorted(replicas, key=lambda r: (self._load_cost(r), _rendezvous(key, r.replica_id)))
+            ranked = sorted(replicas, key=lambda r: (self._load_cost(r, now), _rendezvous(key, r.replica_id)))
             return RoutingDecision([r.replica_id for r in ranked], 0, "short_prompt", "none")
         scored = []
         for r in replicas:
             matched, source = self._matched(hashes, r, now)
-            cost = (len(hashes) - matched) * cfg.block_size + self._load_cost(r)
+            cost = (len(hashes) - matched) * cfg.block_size + self._load_cost(r, now)
             scored.append((cost, _rendezvous(key, r.replica_id), r, matched, source))
         scored.sort(key=lambda s: (s[0], s[1]))
         _, _, best, matched, source = scored[0]
@@ -131,15 +138,29 @@ class PrefixRouterPolicy:
         return RoutingDecision([s[2].replica_id for s in scored], matched, reason, source if matched else "none")
 
     def record(self, block_hashes: list[int], replica_id: str, now: float) -> None:
-        """The request went to `replica_id`: from now on it (approximately) holds the prompt's blocks."""
+        """The request went to `replica_id`: from now on it (approximately) holds the prompt's blocks,
+        and the request is in flight there until `complete`."""
         self._approx.record([short_hash(h) for h in block_hashes], replica_id, now)
+        self._in_flight.setdefault(replica_id, []).append(now)
+
+    def complete(self, replica_id: str) -> None:
+        """One of this router's requests to `replica_id` ended."""
+        sent = self._in_flight.get(replica_id)
+        if sent:
+            sent.pop(0)
 
     def forget_replica(self, replica_id: str) -> None:
         self._approx.forget(replica_id)
+        self._in_flight.pop(replica_id, None)
 
-    def _load_cost(self, r: ReplicaLoad) -> float:
+    def _load_cost(self, r: ReplicaLoad, now: float) -> float:
         cfg = self.config
-        cost = cfg.load_weight_tokens * (r.num_waiting + r.num_running / 8)
+        waiting, running = r.num_waiting, r.num_running
+        # Requests sent after the report was taken are not in it yet: count them as waiting.
+        newer = sum(1 for t in self._in_flight.get(r.replica_id, ()) if t > now - r.stats_age_s)
+        if r.stats_age_s == float("inf"):  # never reported: what this router has in flight there
+            newer = len(self._in_flight.get(r.replica_id, ()))
+        cost = cfg.waiting_cost_tokens * (waiting + newer) + cfg.running_cost_tokens * running
         if r.kv_cache_usage >= cfg.kv_full_usage:
             cost += cfg.kv_full_penalty_tokens
         return cost

@@ -58,8 +58,11 @@ class PrefixRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         request = pending_request.args[0] if pending_request.args else None
-        if isinstance(request, EngineRequest) and request.block_hashes:
-            self.policy.record(request.block_hashes, replica_id.unique_id, time.time())
+        hashes = request.block_hashes if isinstance(request, EngineRequest) else []
+        self.policy.record(hashes, replica_id.unique_id, time.time())
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self.policy.complete(replica_id.unique_id)
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)

@@ -118,3 +118,19 @@ def test_approximate_record_is_bounded_per_replica():
     assert len(policy._approx.lru["a"]) <= 50
     assert policy.route(prompt(19, 1), replicas(), 20.0).matched_blocks == 22  # the newest survive
     assert policy.route(prompt(0, 1), replicas(), 20.0).matched_blocks == 0
+
+
+def test_a_burst_before_the_next_report_does_not_pile_onto_one_replica():
+    policy = PrefixRouterPolicy()
+    reported = [ReplicaLoad(rid, cached_blocks=frozenset(), stats_age_s=0.5) for rid in ("a", "b", "c")]
+    chosen = []
+    for q in range(12):  # one tenant's burst inside one stats period
+        h = prompt(1, q, prefix_blocks=4)
+        d = policy.route(h, reported, now=100.0)
+        policy.record(h, d.ranked[0], now=100.0)
+        chosen.append(d.ranked[0])
+    assert len(set(chosen)) == 3  # the in-flight ones made the first holder look busy: it spilled
+    assert chosen.count(chosen[0]) >= 4  # but affinity still kept most with the first
+    for rid in chosen:
+        policy.complete(rid)
+    assert all(not v for v in policy._in_flight.values())

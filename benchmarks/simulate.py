@@ -1,0 +1,292 @@
+"""Cluster simulation benchmark: routers and autoscalers on simulated pagedserve replicas.
+
+    python benchmarks/simulate.py [--quick] [--jobs 2] [--only routing,shapes,autoscaling]
+
+Prints markdown tables:
+  (a) routing on the multi-tenant shape at ~70% KV pressure, a fixed fleet, every router;
+  (b) the same for the multi-turn chat and Zipf shapes;
+  (c) autoscaling on the bursty shape: ours against Ray's default policy, same router.
+The replicas are the engine's own scheduler and block pool with a step time fitted to the real engine on
+this machine (benchmarks/cluster_sim/fit.py, cached in step_cost.json). Workload rates are set from that
+fitted model, as a fraction of what the fleet could serve if every prefix hit the cache, so the load
+follows the machine instead of being tuned per router. See benchmarks/cluster_sim/ for the method."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.cluster_sim.autoscalers import Fixed, Ours, RayDefault  # noqa: E402
+from benchmarks.cluster_sim.fit import StepCostModel, describe, load_cost_model, prefill_pairs  # noqa: E402
+from benchmarks.cluster_sim.metrics import RunResult, Slo, live_history_blocks, summarize  # noqa: E402
+from benchmarks.cluster_sim.replica import ReplicaConfig  # noqa: E402
+from benchmarks.cluster_sim.routers import ROUTERS, make_router  # noqa: E402
+from benchmarks.cluster_sim.sim import SimConfig, simulate  # noqa: E402
+from benchmarks.cluster_sim.workloads import (  # noqa: E402
+    ChatShape, TenantShape, Workload, bursty, multi_tenant, multi_turn, zipf, zipf_weights,
+)
+
+SLO = Slo(ttft_s=2.0, tpot_s=0.25)
+REPLICA = ReplicaConfig()  # 1024 blocks of 16 tokens: the 56M model's KV in configs/default.yaml's 0.25 GiB
+DECODE_BATCH = 16  # the decode batch assumed when converting a request into replica-seconds of work
+SEED = 0
+
+
+def request_cost(cost: StepCostModel, cached: float, uncached: float, output: float) -> float:
+    """Replica-seconds one request takes: its prefill after `cached` tokens, and its share of
+    DECODE_BATCH-wide decode steps."""
+    context = cached + uncached + output / 2
+    prefill = cost.beta * uncached + cost.delta_prefill * prefill_pairs(round(uncached), round(cached))
+    return prefill + output * (cost.gamma + cost.delta_decode * context + cost.alpha / DECODE_BATCH)
+
+
+def tenant_request_cost(cost: StepCostModel, shape: TenantShape, hit: bool) -> float:
+    prefix = sum(shape.prefix_len) / 2
+    question = sum(shape.question_len) / 2
+    output = sum(shape.output_len) / 2
+    return request_cost(cost, prefix, question, output) if hit else request_cost(cost, 0, prefix + question, output)
+
+
+@dataclass
+class Scenario:
+    """One run: a workload (built in the worker: cheap, deterministic) on a fleet with a router and an
+    autoscaler."""
+
+    key: str
+    workload: str  # multi_tenant | multi_turn | zipf | bursty
+    workload_args: dict
+    router: str
+    autoscaler: str = "fixed"
+    autoscaler_args: dict = field(default_factory=dict)
+    sim: SimConfig = field(default_factory=SimConfig)
+
+
+def build_workload(s: Scenario) -> Workload:
+    return {"multi_tenant": multi_tenant, "multi_turn": multi_turn, "zipf": zipf, "bursty": bursty}[s.workload](
+        **s.workload_args)
+
+
+def run_scenario(s: Scenario) -> tuple[str, RunResult, dict]:
+    cost = load_cost_model()
+    workload = build_workload(s)
+    autoscaler = {"fixed": lambda: Fixed(), "ray_default": lambda: RayDefault(**s.autoscaler_args),
+                  "ours": lambda: Ours(**s.autoscaler_args)}[s.autoscaler]()
+    outcome = simulate(workload, make_router(s.router, seed=SEED), cost, s.sim, autoscaler)
+    result = summarize(outcome, workload.name, s.router, s.autoscaler, SLO)
+    extra = {
+        "description": workload.description,
+        "working_set_blocks": workload.working_set_blocks or live_history_blocks(outcome),
+        "timeline": outcome.replica_timeline,
+        "reasons": dict(outcome.router_reasons),
+    }
+    return s.key, result, extra
+
+
+# --- the scenarios ------------------------------------------------------------------------------------
+
+def scenarios(cost: StepCostModel, quick: bool) -> tuple[list[Scenario], dict]:
+    scale = 0.35 if quick else 1.0
+    notes: dict[str, str] = {}
+    out: list[Scenario] = []
+    shape = TenantShape()
+    hit, miss = tenant_request_cost(cost, shape, True), tenant_request_cost(cost, shape, False)
+
+    # (a) multi-tenant, 6 replicas, tenants' prefixes = 70% of the fleet's KV blocks.
+    n = 6
+    blocks = n * REPLICA.num_kv_blocks
+    load = 0.5  # offered load: half of what the fleet serves when every prefix hits
+    rate = round(load * n / hit, 1)
+    notes["multi_tenant"] = (
+        f"{n} replicas x {REPLICA.num_kv_blocks} blocks; offered load {rate:g} req/s = {load:.0%} of the fleet's "
+        f"all-hit capacity ({n / hit:.1f} req/s), {rate * miss / n:.0%} of its no-hit capacity ({n / miss:.1f} req/s)")
+    for router in ROUTERS:
+        out.append(Scenario(f"mt/{router}", "multi_tenant",
+                            dict(seed=SEED, rate=rate, duration_s=240 * scale, cluster_blocks=blocks, kv_pressure=0.7),
+                            router, sim=SimConfig(replica=REPLICA, initial_replicas=n)))
+
+    # (b1) multi-turn chat, 6 replicas.
+    chat = ChatShape()
+    session_rate = 0.5
+    for router in ROUTERS:
+        out.append(Scenario(f"chat/{router}", "multi_turn",
+                            dict(seed=SEED, session_rate=session_rate, duration_s=600 * scale, shape=chat),
+                            router, sim=SimConfig(replica=REPLICA, initial_replicas=n)))
+    notes["multi_turn"] = f"{n} replicas x {REPLICA.num_kv_blocks} blocks"
+
+    # (b2) Zipf documents, 8 replicas: the hottest document alone needs more than one replica.
+    nz, alpha, docs = 8, 1.2, 200
+    p1 = zipf_weights(docs, alpha)[0]
+    zrate = round(1.5 / (p1 * hit), 1)  # the hottest document: 1.5 replicas of work even when it always hits
+    notes["zipf"] = (f"{nz} replicas x {REPLICA.num_kv_blocks} blocks (documents' prefixes = "
+                     f"{{ws_ratio}} of the fleet's KV); {zrate:g} req/s: the hottest document alone is "
+                     f"{zrate * p1 * hit:.1f} replicas of work at full cache hits, the whole stream "
+                     f"{zrate * hit / nz:.0%} of the fleet's all-hit capacity")
+    for router in ROUTERS:
+        out.append(Scenario(f"zipf/{router}", "zipf",
+                            dict(seed=SEED, rate=zrate, duration_s=180 * scale, num_docs=docs, alpha=alpha),
+                            router, sim=SimConfig(replica=REPLICA, initial_replicas=nz)))
+
+    # (c) bursty, autoscaled, prefix_precise router.
+    base = round(0.6 / hit, 1)  # about 0.6 of one replica at full hits
+    phases = [(90, base), (60, 4 * base), (90, base), (60, 0.0), (60, 5 * base), (120, base)]
+    phases = [(d * scale, r) for d, r in phases]
+    bounds = dict(min_replicas=1, max_replicas=8)
+    auto_sim = SimConfig(replica=REPLICA, initial_replicas=2, cold_start_s=15.0)
+    notes["bursty"] = (f"router prefix_precise; replicas {bounds['min_replicas']}..{bounds['max_replicas']}, "
+                       f"initial 2, cold start {auto_sim.cold_start_s:g} s, drain on; base rate {base:g} req/s "
+                       f"(~0.6 replica of all-hit work), bursts 4x and 5x")
+    wl = dict(seed=SEED, phases=phases, num_tenants=24)
+    out.append(Scenario("auto/ours", "bursty", wl, "prefix_precise", "ours", bounds, auto_sim))
+    for target in (2, 4, 8, 16):
+        out.append(Scenario(f"auto/ray_default@{target}", "bursty", wl, "prefix_precise", "ray_default",
+                            dict(bounds, target_ongoing_requests=target), auto_sim))
+    out.append(Scenario("auto/ours_nodrain", "bursty", wl, "prefix_precise", "ours", bounds,
+                        replace(auto_sim, drain=False)))
+    return out, notes
+
+
+# --- tables -------------------------------------------------------------------------------------------
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:,.0f}"
+
+
+def routing_table(title: str, results: dict[str, tuple[RunResult, dict]], prefix: str, note: str) -> list[str]:
+    rows = {k.split("/", 1)[1]: v for k, v in results.items() if k.startswith(prefix + "/")}
+    if not rows:
+        return []
+    first = next(iter(rows.values()))
+    oracle, pow2 = rows.get("oracle"), rows.get("pow2")
+    ws = first[1]["working_set_blocks"]
+    lines = [f"### {title}", "", f"Workload: {first[1]['description']}.", f"Fleet: {note.format(ws_ratio='{:.0%}')}."
+             if "{ws_ratio}" not in note else f"Fleet: {note}.", ""]
+    lines.append("| router | hit rate | vs oracle (pts) | TTFT p50 ms | TTFT p99 ms | p99 / pow2 | TPOT p50 ms "
+                 f"| SLO % (TTFT<={SLO.ttft_s:g}s, TPOT<={SLO.tpot_s:g}s) | imbalance max/mean | busy % | preempt "
+                 "| finished | wall s |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, (r, _) in rows.items():
+        vs_oracle = f"{(r.hit_rate - oracle[0].hit_rate) * 100:+.1f}" if oracle else "-"
+        vs_pow2 = f"{r.ttft_p99 / pow2[0].ttft_p99:.2f}x" if pow2 else "-"
+        lines.append(
+            f"| {name} | {r.hit_rate:.1%} | {vs_oracle} | {_ms(r.ttft_p50)} | {_ms(r.ttft_p99)} | {vs_pow2} "
+            f"| {_ms(r.tpot_p50)} | {r.slo_attainment:.1%} | {r.imbalance:.2f} | {r.busy_fraction:.0%} "
+            f"| {r.preemptions} | {r.finished}/{r.requests + r.abandoned} | {r.wall_s:.1f} |")
+    lines.append("")
+    return lines
+
+
+def ratio_lines(results, prefix: str, targets: bool) -> list[str]:
+    rows = {k.split("/", 1)[1]: v[0] for k, v in results.items() if k.startswith(prefix + "/")}
+    p, o, pw = rows.get("prefix_precise"), rows.get("oracle"), rows.get("pow2")
+    if not (p and o and pw):
+        return []
+    gap = (p.hit_rate - o.hit_rate) * 100
+    ratio = p.ttft_p99 / pw.ttft_p99
+    verdict = lambda ok: (" - target met" if ok else " - TARGET MISSED") if targets else ""  # noqa: E731
+    return [
+        f"- prefix_precise hit rate vs oracle: {gap:+.1f} points (target: within 5){verdict(gap >= -5)}",
+        f"- prefix_precise TTFT p99 vs pow2: {ratio:.2f}x (target: <= 0.3x){verdict(ratio <= 0.3)}",
+        f"- hit-rate accounting: requests' hits {p.hit_tokens:,} / {p.prompt_tokens:,} tokens; block pools' "
+        f"{p.pool_hits:,} / {p.pool_queries:,} ({'equal' if (p.hit_tokens, p.prompt_tokens) == (p.pool_hits, p.pool_queries) else 'DIFFERENT'})",
+        "",
+    ]
+
+
+def autoscaling_table(results, note: str) -> list[str]:
+    rows = {k.split("/", 1)[1]: v for k, v in results.items() if k.startswith("auto/")}
+    if not rows:
+        return []
+    first = next(iter(rows.values()))
+    lines = ["### (c) Autoscaling on the bursty shape", "", f"Workload: {first[1]['description']}.",
+             f"Setup: {note}.", "",
+             f"| autoscaler | SLO % (TTFT<={SLO.ttft_s:g}s, TPOT<={SLO.tpot_s:g}s) | TTFT p50 ms | TTFT p99 ms "
+             "| replica-s | ours / this | scale ups / downs | dropped streams | peak replicas | hit rate | busy % "
+             "| replicas every 30 s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    ours = rows.get("ours")
+    for name, (r, extra) in rows.items():
+        timeline = extra["timeline"]
+        peak = max((n for _, n, _ in timeline), default=0)
+        samples = " ".join(str(n) for t, n, _ in timeline if int(t) % 30 == 0)
+        ratio = f"{ours[0].replica_seconds / r.replica_seconds:.2f}x" if ours else "-"
+        lines.append(
+            f"| {name} | {r.slo_attainment:.1%} | {_ms(r.ttft_p50)} | {_ms(r.ttft_p99)} | {r.replica_seconds:,.0f} "
+            f"| {ratio} | {r.scale_ups} / {r.scale_downs} | {r.dropped} | {peak} | {r.hit_rate:.1%} "
+            f"| {r.busy_fraction:.0%} | {samples} |")
+    lines.append("")
+    if ours:
+        o = ours[0]
+        for name, (r, _) in rows.items():
+            if name.startswith("ray_default"):
+                ok = o.slo_attainment >= r.slo_attainment and o.replica_seconds <= 0.8 * r.replica_seconds and o.dropped == 0
+                lines.append(
+                    f"- ours vs {name}: SLO {o.slo_attainment:.1%} vs {r.slo_attainment:.1%}, replica-seconds "
+                    f"{o.replica_seconds / r.replica_seconds:.2f}x, dropped {o.dropped} "
+                    f"(target: SLO >=, <= 0.8x, 0) - {'target met' if ok else 'TARGET MISSED'}")
+        lines.append("")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="about a third of the simulated time")
+    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
+    parser.add_argument("--only", default="routing,shapes,autoscaling")
+    args = parser.parse_args()
+    parts = set(args.only.split(","))
+    cost = load_cost_model()
+    all_scenarios, notes = scenarios(cost, args.quick)
+    wanted = {"routing": ("mt/",), "shapes": ("chat/", "zipf/"), "autoscaling": ("auto/",)}
+    chosen = [s for s in all_scenarios if any(s.key.startswith(p) for part in parts for p in wanted[part])]
+    start = time.perf_counter()
+    results: dict[str, tuple[RunResult, dict]] = {}
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs) as pool:
+            for key, result, extra in pool.map(run_scenario, chosen):
+                results[key] = (result, extra)
+    else:
+        for s in chosen:
+            key, result, extra = run_scenario(s)
+            results[key] = (result, extra)
+            print(f"[{time.perf_counter() - start:6.1f}s] {key}: {result.requests} requests, "
+                  f"simulated {result.duration_s:.0f} s in {result.wall_s:.1f} s", file=sys.stderr, flush=True)
+    results = {s.key: results[s.key] for s in chosen}
+
+    print("## Cluster simulation\n")
+    print(f"Step-time model ({cost.source}): t = {cost.alpha * 1e3:.2f} ms + {cost.beta * 1e3:.4f} ms x prefill "
+          f"tokens + {cost.gamma * 1e3:.4f} ms x decode batch. Replica: {REPLICA.num_kv_blocks} KV blocks of "
+          f"{REPLICA.block_size} tokens, token budget {REPLICA.max_num_batched_tokens}/step, max "
+          f"{REPLICA.max_num_seqs} running; preemption (recompute) when blocks run out, no admission in a step "
+          f"that preempted (the engine's Scheduler). Routing stats every 1 s. SLO: TTFT <= {SLO.ttft_s:g} s and "
+          f"TPOT <= {SLO.tpot_s:g} s; dropped or unfinished requests miss it.\n")
+    mt = {k: v for k, v in results.items() if k.startswith("mt/")}
+    if mt:
+        ws = next(iter(mt.values()))[1]["working_set_blocks"]
+        cap = 6 * REPLICA.num_kv_blocks
+        print("\n".join(routing_table(
+            "(a) Routing, multi-tenant shared system prompts", results, "mt",
+            notes["multi_tenant"] + f"; tenants' prefixes = {ws:,} blocks = {ws / cap:.0%} of the fleet's KV")))
+        print("\n".join(ratio_lines(results, "mt", targets=True)))
+    for prefix, title, fleet in (("chat", "(b) Routing, multi-turn chat", 6), ("zipf", "(b) Routing, Zipf document popularity", 8)):
+        sub = {k: v for k, v in results.items() if k.startswith(prefix + "/")}
+        if not sub:
+            continue
+        ws = next(iter(sub.values()))[1]["working_set_blocks"]
+        cap = fleet * REPLICA.num_kv_blocks
+        note = notes["multi_turn" if prefix == "chat" else "zipf"].replace("{ws_ratio}", f"{ws / cap:.0%}")
+        if prefix == "chat":
+            note += f"; live chat histories (time-averaged, oracle run excluded) = {ws:,.0f} blocks = {ws / cap:.0%} of the fleet's KV"
+        print("\n".join(routing_table(title, results, prefix, note)))
+        print("\n".join(ratio_lines(results, prefix, targets=False)))
+    print("\n".join(autoscaling_table(results, notes["bursty"])))
+    print(f"_{len(chosen)} runs in {time.perf_counter() - start:.0f} s wall._")
+
+
+if __name__ == "__main__":
+    main()
