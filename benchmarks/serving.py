@@ -23,6 +23,12 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+if __package__ in (None, ""):  # run as a script: make `benchmarks.*` importable
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from engine import AsyncLLM, EngineConfig, SamplingParams
 from serve_app.app_args import AppArgs
 
@@ -126,7 +132,7 @@ async def bench_inprocess(args, requests) -> dict:
     return summarize("in-process AsyncLLM", results, duration)
 
 
-def bench_serve(args, requests) -> dict:
+def bench_serve(args, requests, tracing: dict | None = None, name: str = "Ray Serve app, 1 replica, HTTP") -> dict:
     import ray
     from ray import serve
 
@@ -134,7 +140,8 @@ def bench_serve(args, requests) -> dict:
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    app_args = AppArgs(model=args.model, num_replicas=1, engine=ENGINE, stream_messages_per_s=args.stream_budget)
+    app_args = AppArgs(model=args.model, num_replicas=1, engine=ENGINE, stream_messages_per_s=args.stream_budget,
+                       tracing=tracing or {})
     serve.run(build_app(app_args), name="bench", route_prefix="/")
     url = f"http://127.0.0.1:{args.port}"
 
@@ -149,7 +156,28 @@ def bench_serve(args, requests) -> dict:
     finally:
         serve.shutdown()
         ray.shutdown()
-    return summarize("Ray Serve app, 1 replica, HTTP", results, duration)
+    return summarize(name, results, duration)
+
+
+def compare_tracing(args, requests) -> None:
+    from benchmarks.otlp_receiver import OTLPReceiver
+
+    off = bench_serve(args, requests, name="tracing off")
+    receiver = OTLPReceiver(keep=False)
+    try:
+        on = bench_serve(args, requests, name="tracing on (OTLP/HTTP to a local receiver)", tracing={
+            "exporter": "otlp", "protocol": "http/protobuf", "endpoint": receiver.endpoint})
+    finally:
+        receiver.stop()
+    print()
+    print("| Serve app | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | TPOT mean ms |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in (off, on):
+        print(f"| {r['system']} | {r['throughput']:.0f} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {r['itl_p50']:.1f} | "
+              f"{r['tpot_mean']:.1f} |")
+    print()
+    print(f"spans received: {receiver.num_spans}")
+    print(f"output throughput, tracing on / off: {on['throughput'] / off['throughput']:.3f} (target >= 0.97)")
 
 
 def main() -> None:
@@ -159,12 +187,17 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrival rate, requests/s")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--compare-tracing", action="store_true",
+                    help="instead: the Serve app with tracing off, then exporting OTLP/HTTP to a local receiver")
     ap.add_argument("--stream-budget", type=float, default=AppArgs.model_fields["stream_messages_per_s"].default,
                     help="AppArgs.stream_messages_per_s of the Serve app (0: one message per engine step)")
     args = ap.parse_args()
     requests = workload(args.num_requests, args.rate, args.seed)
     print(f"{len(requests)} requests at {args.rate}/s, {sum(len(p) for _, p, _ in requests)} prompt tokens, "
           f"{sum(m for *_, m in requests)} output tokens, model {args.model}", flush=True)
+    if args.compare_tracing:
+        compare_tracing(args, requests)
+        return
     local = asyncio.run(bench_inprocess(args, requests))
     print(f"  in-process done: {local['throughput']:.0f} tok/s", flush=True)
     served = bench_serve(args, requests)

@@ -152,7 +152,7 @@ def _metrics(requests: list[Request], finished: bool) -> RequestMetrics:
         r = requests[0]
         return RequestMetrics(
             r.arrival_time, r.first_scheduled_time, r.first_token_time, r.last_token_time,
-            r.finished_time if finished else None, len(r.output_token_ids),
+            r.finished_time if finished else None, len(r.output_token_ids), tuple(r.preempted_times),
         )
 
     def earliest(values):
@@ -167,4 +167,5 @@ def _metrics(requests: list[Request], finished: bool) -> RequestMetrics:
         last_token_time=max(last_tokens) if last_tokens else None,
         finished_time=max(r.finished_time or 0.0 for r in requests) if finished else None,
         num_generation_tokens=sum(r.num_output_tokens for r in requests),
+        preempted_times=tuple(sorted(t for r in requests for t in r.preempted_times)),
     )

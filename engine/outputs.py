@@ -43,6 +43,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_generation_tokens: int = 0
+    preempted_times: tuple[float, ...] = ()
 
     @property
     def queue_time(self) -> float | None:

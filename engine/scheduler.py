@@ -201,6 +201,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.preempted_times.append(time.monotonic())
         self.num_preemptions += 1
         self.waiting.prepend(request)
         out.preempted.append(request)

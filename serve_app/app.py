@@ -27,5 +27,5 @@ def build_app(args: AppArgs) -> Application:
         ray_actor_options=args.ray_actor_options,
         graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
         request_router_config=router_config,
-    ).bind(engine_config.model_dump(mode="json"), args.name, args.stream_messages_per_s)
+    ).bind(engine_config.model_dump(mode="json"), args.name, args.stream_messages_per_s, args.tracing.model_dump())
     return OpenAIIngress.options(num_replicas=args.ingress_replicas).bind(engine, args.model_dump())

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import EngineConfig
+from serve_app.tracing import TracingConfig
 
 ROUTERS = {
     "prefix": "serve_app.routing.ray_router.PrefixRouter",  # prefix-cache affinity traded against load
@@ -46,6 +47,7 @@ class AppArgs(BaseModel):
         "budget) seconds between messages, and tokens made meanwhile travel together; the first token always "
         "leaves at once. 0 sends every step's tokens as its own message.",
     )
+    tracing: TracingConfig = Field(default_factory=TracingConfig, description="OpenTelemetry tracing (off by default).")
     graceful_shutdown_timeout_s: float = Field(
         30.0, ge=0, description="How long a stopping engine replica may take to finish its streams."
     )

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from serve_app.errors import APIError, from_exception, from_validation_errors
+from serve_app.tracing import TracingMiddleware
 from serve_app.protocol.openai import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -87,6 +88,7 @@ def build_http_app(ingress) -> FastAPI:
                   description="OpenAI- and Anthropic-compatible LLM serving on Ray Serve.")
     serving = ingress.openai
     api_keys = [k.encode() for k in ingress.args.api_keys]
+    app.add_middleware(TracingMiddleware)  # outermost: the request span covers auth failures too
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):

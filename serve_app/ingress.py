@@ -5,7 +5,9 @@ holding a DeploymentHandle to the app (they take and return the same pydantic mo
     async for response in handle.chat.remote(ChatCompletionRequest(messages=[...])):
         ...  # one ChatCompletionResponse, or ChatCompletionChunks when stream=True
 
-The methods are async generators (Ray Serve streams them), so callers always use `stream=True`."""
+The methods are async generators (Ray Serve streams them), so callers always use `stream=True`. A caller
+tracing with OpenTelemetry passes its context as a W3C carrier, `trace_context=` (e.g. from
+opentelemetry.propagate.inject); the call's spans then join the caller's trace."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from serve_app.http_api import build_http_app
 from serve_app.openai_serving import OpenAIServing
 from serve_app.protocol.anthropic import MessagesRequest
 from serve_app.protocol.openai import ChatCompletionRequest, CompletionRequest
+from serve_app.tracing import handle_span, setup_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +37,8 @@ _HEALTH_TIMEOUT_S = 5.0
 class OpenAIIngress:
     def __init__(self, engine: DeploymentHandle, args: dict) -> None:
         self.args = AppArgs.model_validate(args)
+        setup_tracing(self.args.tracing, {"pagedserve.component": "ingress", "gen_ai.request.model": self.args.name,
+                                          "pagedserve.replica": _replica_id()})
         self.processor = InputProcessor.from_config(self.args.engine_config())
         self.engine = engine
         self.openai = OpenAIServing(self.processor, self.args.name, engine.options(stream=True))
@@ -53,24 +58,34 @@ class OpenAIIngress:
 
     # --- Python API (DeploymentHandle) ----------------------------------------------------------------
 
-    async def completions(self, request: CompletionRequest | dict) -> AsyncGenerator:
-        request = CompletionRequest.model_validate(request)
-        result = await self.openai.completions(request)
-        async for item in _as_stream(result, request.stream):
-            yield item
+    async def completions(self, request: CompletionRequest | dict, trace_context: dict | None = None) -> AsyncGenerator:
+        with handle_span("completions", trace_context):
+            request = CompletionRequest.model_validate(request)
+            result = await self.openai.completions(request)
+            async for item in _as_stream(result, request.stream):
+                yield item
 
-    async def chat(self, request: ChatCompletionRequest | dict) -> AsyncGenerator:
-        request = ChatCompletionRequest.model_validate(request)
-        result = await self.openai.chat(request)
-        async for item in _as_stream(result, request.stream):
-            yield item
+    async def chat(self, request: ChatCompletionRequest | dict, trace_context: dict | None = None) -> AsyncGenerator:
+        with handle_span("chat", trace_context):
+            request = ChatCompletionRequest.model_validate(request)
+            result = await self.openai.chat(request)
+            async for item in _as_stream(result, request.stream):
+                yield item
 
-    async def messages(self, request: MessagesRequest | dict) -> AsyncGenerator:
+    async def messages(self, request: MessagesRequest | dict, trace_context: dict | None = None) -> AsyncGenerator:
         """Anthropic Messages: one MessagesResponse, or (event name, data) pairs when stream=True."""
-        request = MessagesRequest.model_validate(request)
-        result = await self.anthropic.messages(request)
-        async for item in _as_stream(result, request.stream):
-            yield item
+        with handle_span("messages", trace_context):
+            request = MessagesRequest.model_validate(request)
+            result = await self.anthropic.messages(request)
+            async for item in _as_stream(result, request.stream):
+                yield item
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside a Serve replica
+        return "local"
 
 
 async def _as_stream(result, stream: bool):

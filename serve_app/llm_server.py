@@ -9,12 +9,14 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 
+from opentelemetry.trace import SpanKind
 from ray import serve
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from engine.stats import EngineStats
+from serve_app import tracing
 from serve_app.engine_request import EngineRequest
 from serve_app.metrics import EngineMetrics
 
@@ -31,14 +33,22 @@ _MAX_STREAM_REST_S = 0.25
     health_check_period_s=5,
 )
 class LLMServer:
-    def __init__(self, engine_config: dict, served_model_name: str, stream_messages_per_s: float = 0.0) -> None:
-        self.llm = AsyncLLM(EngineConfig(**engine_config))
-        self.stream_messages_per_s = stream_messages_per_s
+    def __init__(
+        self, engine_config: dict, served_model_name: str, stream_messages_per_s: float = 0.0,
+        tracing_config: dict | None = None,
+    ) -> None:
         try:
             replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside a Serve replica (local testing)
             replica_id = "local"
         self.replica_id = replica_id
+        self.model_name = served_model_name
+        self.tracer = tracing.setup_tracing(
+            tracing.TracingConfig(**(tracing_config or {})),
+            {"pagedserve.component": "engine", "gen_ai.request.model": served_model_name, "pagedserve.replica": replica_id},
+        )
+        self.llm = AsyncLLM(EngineConfig(**engine_config))
+        self.stream_messages_per_s = stream_messages_per_s
         self.metrics = EngineMetrics(served_model_name, replica_id)
         self._metrics_task = asyncio.get_event_loop().create_task(self._export_metrics())
 
@@ -49,17 +59,28 @@ class LLMServer:
         this caps the replica's message rate whatever the load: a lone stream still gets every step's
         tokens, many streams get theirs a few steps at a time. Cancellation (the caller went away)
         aborts the request and frees its KV blocks."""
-        async for output in self.llm.generate(
-            request.prompt_token_ids,
-            request.sampling_params,
-            request_id=request.request_id,
-            priority=request.priority,
-            cache_salt=request.cache_salt,
-        ):
-            self.metrics.observe(output)
-            yield output
-            if self.stream_messages_per_s and not output.finished:
-                await asyncio.sleep(min(_MAX_STREAM_REST_S, self.llm.num_in_flight / self.stream_messages_per_s))
+        trace = _RequestTrace(self, request) if self.tracer is not None else None
+        try:
+            async for output in self.llm.generate(
+                request.prompt_token_ids,
+                request.sampling_params,
+                request_id=request.request_id,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+            ):
+                self.metrics.observe(output)
+                if trace is not None:
+                    trace.observe(output)
+                yield output
+                if self.stream_messages_per_s and not output.finished:
+                    await asyncio.sleep(min(_MAX_STREAM_REST_S, self.llm.num_in_flight / self.stream_messages_per_s))
+        except BaseException as e:
+            if trace is not None:
+                trace.failed(e)
+            raise
+        finally:
+            if trace is not None:
+                trace.end()
 
     def stats(self) -> EngineStats:
         return self.llm.stats
@@ -102,3 +123,62 @@ class LLMServer:
         llm = getattr(self, "llm", None)
         if llm is not None:
             llm.shutdown()
+
+
+class _RequestTrace:
+    """The replica's `llm_request` span of one request (vLLM's name and gen_ai.* attributes), child of
+    the ingress span carried in the EngineRequest. Its timeline comes from the engine's own timestamps."""
+
+    def __init__(self, server: LLMServer, request: EngineRequest) -> None:
+        params = request.sampling_params
+        self.server, self.request = server, request
+        self.span = server.tracer.start_span(
+            "llm_request", context=tracing.extract(request.trace_context), kind=SpanKind.SERVER,
+            attributes={
+                "gen_ai.request.model": server.model_name, "gen_ai.request.id": request.request_id,
+                "gen_ai.response.id": request.request_id, "gen_ai.request.max_tokens": params.max_tokens or 0,
+                "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
+                "gen_ai.request.n": params.n, "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
+            },
+        )
+        self.last: RequestOutput | None = None
+        self.finish_reasons: dict[int, str] = {}
+        self.text: dict[int, str] = {}
+
+    def observe(self, output: RequestOutput) -> None:
+        self.last = output
+        for c in output.outputs:
+            if c.finish_reason is not None:
+                self.finish_reasons[c.index] = c.finish_reason
+            if tracing.config().record_content:
+                self.text[c.index] = self.text.get(c.index, "") + c.text
+
+    def failed(self, error: BaseException) -> None:
+        if isinstance(error, (GeneratorExit, asyncio.CancelledError)):
+            self.span.add_event("aborted")  # the caller went away; the engine aborts the request
+        else:
+            tracing.fail(self.span, error)
+
+    def end(self) -> None:
+        span, out = self.span, self.last
+        m = out.metrics if out is not None else None
+        if m is not None:
+            span.add_event("queued", timestamp=tracing.epoch_ns(m.arrival_time))
+            for name, t in (("scheduled", m.first_scheduled_time), ("first_token", m.first_token_time)):
+                if t is not None:
+                    span.add_event(name, timestamp=tracing.epoch_ns(t))
+            for t in m.preempted_times:
+                span.add_event("preempted", timestamp=tracing.epoch_ns(t))
+            latencies = {"gen_ai.latency.time_in_queue": m.queue_time, "gen_ai.latency.time_to_first_token": m.time_to_first_token,
+                         "gen_ai.latency.e2e": m.e2e_latency}
+            span.set_attributes({k: v for k, v in latencies.items() if v is not None})
+            span.set_attribute("gen_ai.usage.output_tokens", m.num_generation_tokens)
+            if m.finished_time is not None:
+                span.add_event("finished", timestamp=tracing.epoch_ns(m.finished_time))
+        if out is not None:
+            span.set_attribute("gen_ai.usage.cache_read_input_tokens", out.num_cached_tokens)
+        span.set_attribute("gen_ai.response.finish_reasons", [self.finish_reasons[i] for i in sorted(self.finish_reasons)])
+        if tracing.config().record_content:
+            prompt = self.server.llm.tokenizer.decode(self.request.prompt_token_ids)
+            span.set_attributes({"gen_ai.prompt": prompt, "gen_ai.completion": [self.text[i] for i in sorted(self.text)]})
+        span.end()

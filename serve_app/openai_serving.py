@@ -15,6 +15,7 @@ from engine.block_hash import hash_block_chain
 from engine.input_processor import InputProcessor
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from serve_app import tracing
 from serve_app.engine_request import EngineRequest
 from serve_app.errors import APIError, from_exception
 from serve_app.protocol.openai import (
@@ -137,6 +138,7 @@ class OpenAIServing:
             block_hashes=hash_block_chain(prepared.prompt_token_ids, self.block_size, req.cache_salt),
             priority=req.priority,
             cache_salt=req.cache_salt,
+            trace_context=tracing.inject(),
         )
 
     async def _stream(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -197,7 +199,8 @@ class OpenAIServing:
         if not items:
             raise APIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
         try:
-            return [_Prompt(self.processor.tokenize(p), p if isinstance(p, str) else None) for p in items]
+            with tracing.span("tokenize", prompts=len(items)):
+                return [_Prompt(self.processor.tokenize(p), p if isinstance(p, str) else None) for p in items]
         except ValueError as e:
             raise from_exception(e) from e
 
@@ -301,9 +304,10 @@ class OpenAIServing:
     def chat_prompt(self, req: ChatCompletionRequest) -> _Prompt:
         try:
             messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
-            token_ids = self.processor.apply_chat_template(
-                messages, req.add_generation_prompt, **(req.chat_template_kwargs or {})
-            )
+            with tracing.span("tokenize", messages=len(messages)):
+                token_ids = self.processor.apply_chat_template(
+                    messages, req.add_generation_prompt, **(req.chat_template_kwargs or {})
+                )
         except ValueError as e:
             raise from_exception(e) from e
         return _Prompt(token_ids, None)

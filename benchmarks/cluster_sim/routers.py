@@ -15,7 +15,9 @@ and its own routing history. Only the oracle sees the replicas' true caches and 
 - prefix_precise: our PrefixRouterPolicy fed the replicas' last reports, block summaries included.
 - prefix_approx: the same policy without block summaries (only its own routing record).
 - oracle: the same policy fed, at routing time, each replica's true cache (plus the prompts it has
-  already accepted, which it will have cached by the time this request runs) and its true load."""
+  already accepted, which it will have cached by the time this request runs) and its true load: what the
+  policy would do with perfect, instant stats. Not an upper bound on every metric: its cost function is
+  the policy's, blind spots included."""
 
 from __future__ import annotations
 
@@ -64,6 +66,9 @@ class Router:
 
     def on_routed(self, req: SimRequest, replica_id: str, now: float) -> None:
         pass
+
+    def on_completed(self, replica_id: str, now: float) -> None:
+        """One of its requests to `replica_id` ended (finished, or cut by a scale-down)."""
 
     def on_replicas_changed(self, added: list[str], removed: list[str], now: float) -> None:
         pass
@@ -172,6 +177,9 @@ class PrefixPolicyRouter(Router):
     def on_routed(self, req, replica_id, now):
         self.policy.record(req.block_hashes(self.block_size), replica_id, now)
 
+    def on_completed(self, replica_id, now):
+        self.policy.complete(replica_id)
+
     def on_replicas_changed(self, added, removed, now):
         for rid in removed:
             self.policy.forget_replica(rid)
@@ -191,6 +199,10 @@ class _LiveBlocks:
 
 @dataclass
 class Oracle(PrefixPolicyRouter):
+    """Our policy fed the truth at routing time, as if every replica reported at that instant: its true
+    cache (plus the prompts it has accepted, which it will hold by the time this request runs) and its
+    true waiting / running requests and KV usage. It records nothing: it needs no memory."""
+
     name: str = "oracle"
 
     def __post_init__(self) -> None:
@@ -207,7 +219,10 @@ class Oracle(PrefixPolicyRouter):
         return decision.ranked
 
     def on_routed(self, req, replica_id, now):
-        pass  # it needs no record: it sees the truth
+        pass
+
+    def on_completed(self, replica_id, now):
+        pass
 
 
 ROUTERS = ("round_robin", "pow2", "ray_prefix_tree", "prefix_approx", "prefix_precise", "oracle")

@@ -179,6 +179,7 @@ class Cluster:
         trace.cached_tokens, trace.preemptions, trace.dropped = done.cached_tokens, done.preemptions, dropped
         trace.finished = None if dropped else now
         self._ongoing[replica.replica_id] -= 1
+        self.router.on_completed(replica.replica_id, now)
         self._open -= 1
         if dropped:
             self._abandon(done.sim.request_id)

@@ -10,6 +10,7 @@ import time
 import numpy as np
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from serve_app import tracing
 from serve_app.engine_request import EngineRequest
 from serve_app.routing.prefix_policy import PrefixRouterConfig, PrefixRouterPolicy, ReplicaLoad
 
@@ -54,6 +55,13 @@ class PrefixRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         decision = self.policy.route(hashes, [self._load(r, now) for r in candidate_replicas], now)
         self.last_decision = decision
+        tracer = tracing.tracer()
+        if tracer is not None and isinstance(request, EngineRequest):
+            tracer.start_span("route", context=tracing.extract(request.trace_context), attributes={
+                "pagedserve.route.policy": "prefix", "pagedserve.route.replica": decision.ranked[0],
+                "pagedserve.route.matched_blocks": decision.matched_blocks, "pagedserve.route.reason": decision.reason,
+                "pagedserve.route.source": decision.source, "pagedserve.route.prompt_blocks": len(hashes),
+            }).end()
         return [[by_id[rid]] for rid in decision.ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:

@@ -1,0 +1,82 @@
+"""Traces across Ray processes: the real app exports OTLP/HTTP to a receiver this test runs; a request
+sent with a traceparent yields spans from the ingress process and the replica process in that trace,
+with the right parents, also for a request aborted by the client going away."""
+
+from __future__ import annotations
+
+import secrets
+
+import httpx
+import pytest
+
+from benchmarks.otlp_receiver import OTLPReceiver
+from tests.serve_app.conftest import wait_for
+
+
+@pytest.fixture(scope="module")
+def traced(deploy_app):
+    receiver = OTLPReceiver()
+    url = deploy_app("traced", "/traced", num_replicas=1, router="prefix", tracing={
+        "exporter": "otlp", "protocol": "http/protobuf", "endpoint": receiver.endpoint, "export_interval_ms": 100})
+    yield url, receiver
+    receiver.stop()
+
+
+def _traceparent() -> tuple[str, str, str]:
+    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+    return f"00-{trace_id}-{parent}-01", trace_id, parent
+
+
+def _spans(receiver, trace_id, names):
+    def have():
+        spans = {s.name: s for s in receiver.trace(trace_id)}
+        return spans if names <= set(spans) else None
+
+    return wait_for(have, timeout=30, interval=0.1)
+
+
+def test_one_trace_from_the_edge_to_the_engine(traced):
+    url, receiver = traced
+    header, trace_id, parent = _traceparent()
+    prompt = " ".join(["shared words"] * 20)
+    r = httpx.post(url + "/v1/completions", headers={"traceparent": header}, timeout=60,
+                   json={"prompt": prompt, "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200
+    spans = _spans(receiver, trace_id, {"POST /v1/completions", "tokenize", "route", "llm_request"})
+    server, tokenize, route, llm = (spans[n] for n in ("POST /v1/completions", "tokenize", "route", "llm_request"))
+    assert server.parent_span_id == parent and server.kind == 2  # SERVER
+    assert server.attributes["http.route"] == "/v1/completions" and server.attributes["http.response.status_code"] == 200
+    assert tokenize.parent_span_id == route.parent_span_id == llm.parent_span_id == server.span_id
+    assert server.resource["pagedserve.component"] == "ingress" and llm.resource["pagedserve.component"] == "engine"
+    assert route.attributes["pagedserve.route.policy"] == "prefix"
+    assert route.attributes["pagedserve.route.replica"] == llm.resource["pagedserve.replica"]
+    assert llm.attributes["gen_ai.usage.output_tokens"] == 5
+    assert llm.events == ["queued", "scheduled", "first_token", "finished"]
+    assert "gen_ai.prompt" not in llm.attributes and prompt not in str(server.attributes)
+
+
+def test_an_aborted_request_ends_its_spans(traced):
+    url, receiver = traced
+    header, trace_id, parent = _traceparent()
+    body = {"prompt": "go on", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers={"traceparent": header}, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+    spans = _spans(receiver, trace_id, {"POST /v1/completions", "llm_request"})
+    llm, server = spans["llm_request"], spans["POST /v1/completions"]
+    assert llm.parent_span_id == server.span_id and server.parent_span_id == parent
+    assert "aborted" in llm.events and llm.attributes["gen_ai.usage.output_tokens"] < 900
+
+
+def test_a_request_without_traceparent_starts_a_trace(traced):
+    url, receiver = traced
+    before = {s.trace_id for s in receiver.spans}
+    httpx.post(url + "/v1/completions", json={"prompt": "new", "max_tokens": 2}, timeout=60)
+
+    def new_trace():
+        fresh = [s for s in receiver.spans if s.trace_id not in before and s.name == "llm_request"]
+        return fresh[0] if fresh else None
+
+    llm = wait_for(new_trace, timeout=30, interval=0.1)
+    server = next(s for s in receiver.trace(llm.trace_id) if s.name == "POST /v1/completions")
+    assert server.parent_span_id == "" and llm.parent_span_id == server.span_id
