@@ -69,6 +69,12 @@ class EngineConfig(BaseModel):
         description="CPU threads for torch in this process (torch.set_num_threads). Give each engine "
         "replica its share of the cores: oversubscribed OpenMP threads spin against each other.",
     )
+    collect_step_timings: bool = Field(
+        False,
+        description="Record on each request the engine steps it took part in (RequestMetrics.steps: model "
+        "execution start/end, its tokens, the batch's shape), for detailed traces. Costs an append per "
+        "scheduled request per step; the serving app turns it on with `tracing.detailed`.",
+    )
     attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
         "auto", description="`auto` is flashinfer on CUDA when installed, torch otherwise."
     )

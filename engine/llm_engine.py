@@ -19,7 +19,7 @@ from engine.model_runner import LogprobEntry, ModelRunner, ModelRunnerOutput
 from engine.models.config import ModelConfig
 from engine.models.loader import resolve_model_path
 from engine.output_processor import OutputProcessor
-from engine.outputs import Logprob, RequestOutput
+from engine.outputs import Logprob, RequestOutput, StepTiming
 from engine.request import Request, RequestStatus
 from engine.sampler import sample_seed
 from engine.sampling_params import SamplingParams
@@ -170,7 +170,10 @@ class LLMEngine:
         if so.is_empty:
             self.model_runner.release(so.released_request_ids)
             return []
+        start = time.monotonic()
         out, failed = self._execute_isolated(so)
+        if self.config.collect_step_timings:
+            self._record_step(so, start, time.monotonic())
         for request, entry in zip(so.requests, out.logprobs):
             if entry is not None:
                 request.logprobs.append(_logprob_dict(entry))
@@ -181,6 +184,12 @@ class LLMEngine:
         outputs = self._finish(failed, RequestStatus.FINISHED_ERROR, error="the engine failed while running this request")
         self._release_parked()
         return outputs + self._emit(updated)
+
+    @staticmethod
+    def _record_step(so: SchedulerOutput, start: float, end: float) -> None:
+        batch_tokens = so.total_num_scheduled_tokens
+        for request, num_tokens in zip(so.requests, so.num_scheduled_tokens):
+            request.step_timings.append(StepTiming(start, end, num_tokens, len(so.requests), batch_tokens))
 
     def _emit(self, updated: list[Request]) -> list[RequestOutput]:
         stopped = self.output_processor.detokenize(updated)

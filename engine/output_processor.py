@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepTiming
 from engine.request import Request, RequestStatus
 from engine.sampling_params import RequestOutputKind
 
@@ -153,6 +153,7 @@ def _metrics(requests: list[Request], finished: bool) -> RequestMetrics:
         return RequestMetrics(
             r.arrival_time, r.first_scheduled_time, r.first_token_time, r.last_token_time,
             r.finished_time if finished else None, len(r.output_token_ids), tuple(r.preempted_times),
+            _take_steps(requests),
         )
 
     def earliest(values):
@@ -168,4 +169,15 @@ def _metrics(requests: list[Request], finished: bool) -> RequestMetrics:
         finished_time=max(r.finished_time or 0.0 for r in requests) if finished else None,
         num_generation_tokens=sum(r.num_output_tokens for r in requests),
         preempted_times=tuple(sorted(t for r in requests for t in r.preempted_times)),
+        steps=_take_steps(requests),
     )
+
+
+def _take_steps(requests: list[Request]) -> tuple[StepTiming, ...]:
+    if not any(r.step_timings for r in requests):
+        return ()
+    # n > 1: the samples of one step share its timing; one entry per step
+    steps = tuple(sorted({s.start_time: s for r in requests for s in r.step_timings}.values(), key=lambda s: s.start_time))
+    for r in requests:
+        r.step_timings.clear()
+    return steps

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(slots=True)
@@ -33,6 +33,18 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(slots=True, frozen=True)
+class StepTiming:
+    """One engine step a request took part in (EngineConfig.collect_step_timings): when its model
+    execution ran (time.monotonic()), this request's scheduled tokens, and the whole batch's shape."""
+
+    start_time: float
+    end_time: float
+    num_tokens: int
+    batch_size: int
+    batch_tokens: int
+
+
 @dataclass(slots=True)
 class RequestMetrics:
     """time.monotonic() timestamps of the engine's process; intervals derive from them."""
@@ -44,6 +56,8 @@ class RequestMetrics:
     finished_time: float | None = None
     num_generation_tokens: int = 0
     preempted_times: tuple[float, ...] = ()
+    # Steps since this request's previous output (not cumulative: a stream carries each step once).
+    steps: tuple[StepTiming, ...] = ()
 
     @property
     def queue_time(self) -> float | None:
@@ -99,6 +113,9 @@ def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
             prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
     last = outputs[-1]
     prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
+    metrics = last.metrics
+    if metrics is not None and any(o.metrics and o.metrics.steps for o in outputs[:-1]):
+        metrics = replace(metrics, steps=tuple(s for o in outputs if o.metrics for s in o.metrics.steps))
     return RequestOutput(
         request_id=last.request_id,
         prompt=last.prompt,
@@ -107,6 +124,6 @@ def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
         finished=last.finished,
         num_cached_tokens=last.num_cached_tokens,
         prompt_logprobs=prompt_logprobs,
-        metrics=last.metrics,
+        metrics=metrics,
         error=last.error,
     )

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash, hash_block_chain
-from engine.outputs import PromptLogprobs, SampleLogprobs
+from engine.outputs import PromptLogprobs, SampleLogprobs, StepTiming
 from engine.sampling_params import SamplingParams
 
 
@@ -69,6 +69,7 @@ class Request:
     last_token_time: float | None = None
     finished_time: float | None = None
     preempted_times: list[float] = field(default_factory=list)
+    step_timings: list[StepTiming] = field(default_factory=list)  # not yet sent in an output
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -73,4 +73,5 @@ class AppArgs(BaseModel):
 
     def engine_config(self) -> EngineConfig:
         # Replicas run the engine loop in its own process unless told otherwise (engine_core.py: why).
-        return EngineConfig(model=self.model, **{"multiprocess": True, **self.engine})
+        defaults = {"multiprocess": True, "collect_step_timings": self.tracing.detailed}
+        return EngineConfig(model=self.model, **{**defaults, **self.engine})

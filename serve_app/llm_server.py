@@ -9,12 +9,13 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from ray import serve
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, StepTiming
 from engine.stats import EngineStats
 from serve_app import tracing
 from serve_app.engine_request import EngineRequest
@@ -144,14 +145,27 @@ class _RequestTrace:
         self.last: RequestOutput | None = None
         self.finish_reasons: dict[int, str] = {}
         self.text: dict[int, str] = {}
+        self.time_in_model_execute = 0.0
 
     def observe(self, output: RequestOutput) -> None:
         self.last = output
+        if output.metrics is not None:
+            for step in output.metrics.steps:  # only with tracing.detailed (EngineConfig.collect_step_timings)
+                self._step_span(step)
         for c in output.outputs:
             if c.finish_reason is not None:
                 self.finish_reasons[c.index] = c.finish_reason
             if tracing.config().record_content:
                 self.text[c.index] = self.text.get(c.index, "") + c.text
+
+    def _step_span(self, step: StepTiming) -> None:
+        self.time_in_model_execute += step.end_time - step.start_time
+        span = self.server.tracer.start_span(
+            "engine_step", context=trace.set_span_in_context(self.span), start_time=tracing.epoch_ns(step.start_time),
+            attributes={"pagedserve.step.num_tokens": step.num_tokens, "pagedserve.step.batch_size": step.batch_size,
+                        "pagedserve.step.batch_tokens": step.batch_tokens},
+        )
+        span.end(end_time=tracing.epoch_ns(step.end_time))
 
     def failed(self, error: BaseException) -> None:
         if isinstance(error, (GeneratorExit, asyncio.CancelledError)):
@@ -173,6 +187,8 @@ class _RequestTrace:
                          "gen_ai.latency.e2e": m.e2e_latency}
             span.set_attributes({k: v for k, v in latencies.items() if v is not None})
             span.set_attribute("gen_ai.usage.output_tokens", m.num_generation_tokens)
+            if self.time_in_model_execute:
+                span.set_attribute("gen_ai.latency.time_in_model_execute", self.time_in_model_execute)
             if m.finished_time is not None:
                 span.add_event("finished", timestamp=tracing.epoch_ns(m.finished_time))
         if out is not None:

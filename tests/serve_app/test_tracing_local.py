@@ -28,7 +28,8 @@ def traced_app():
     tracing._TRACER = None
     tracing.setup_tracing(tracing.TracingConfig(record_content=False), {"test": "1"}, exporter=exporter)
     engine = {"max_model_len": 512, "num_kv_blocks": 128, "multiprocess": False}
-    handle = serve.run(build_app(AppArgs(num_replicas=1, engine=engine)), _local_testing_mode=True)
+    app = build_app(AppArgs(num_replicas=1, engine=engine, tracing={"detailed": True}))
+    handle = serve.run(app, _local_testing_mode=True)
     # The caller's own tracer: a different provider, as in a real client process.
     caller = TracerProvider()
     caller.add_span_processor(SimpleSpanProcessor(exporter))
@@ -42,7 +43,7 @@ def traced_app():
 
 
 def _by_name(spans):
-    return {s.name: s for s in spans}
+    return {s.name: s for s in spans if s.name != "engine_step"}
 
 
 def test_handle_call_joins_the_callers_trace(traced_app):
@@ -73,6 +74,24 @@ def test_handle_call_joins_the_callers_trace(traced_app):
     times = [e.timestamp for e in llm.events]
     assert times == sorted(times) and llm.start_time <= times[0] + 5_000_000 and times[-1] <= llm.end_time
     assert "gen_ai.prompt" not in a and "gen_ai.completion" not in a  # no text unless record_content
+
+
+def test_detailed_mode_adds_a_span_per_engine_step(traced_app):
+    handle, exporter, _ = traced_app
+    exporter.clear()
+    prompt = "word " * 40  # with max_tokens 5: one prefill step, then four decode steps
+    [response] = list(handle.completions.remote(CompletionRequest(prompt=prompt, max_tokens=5)))
+    spans = exporter.get_finished_spans()
+    [llm] = [s for s in spans if s.name == "llm_request"]
+    steps = sorted((s for s in spans if s.name == "engine_step"), key=lambda s: s.start_time)
+    assert len(steps) == 5 and all(s.parent.span_id == llm.context.span_id for s in steps)
+    prefill, *decodes = steps
+    assert prefill.attributes["pagedserve.step.num_tokens"] == response.usage.prompt_tokens
+    assert all(s.attributes["pagedserve.step.num_tokens"] == 1 for s in decodes)
+    assert all(s.attributes["pagedserve.step.batch_size"] >= 1 for s in steps)
+    assert all(llm.start_time <= s.start_time < s.end_time <= llm.end_time for s in steps)
+    busy = sum(s.end_time - s.start_time for s in steps) / 1e9
+    assert abs(llm.attributes["gen_ai.latency.time_in_model_execute"] - busy) < 1e-3
 
 
 def test_without_a_caller_context_a_new_trace_starts(traced_app):
