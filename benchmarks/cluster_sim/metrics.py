@@ -1,15 +1,18 @@
 """What one run is judged by, computed from its traces and its replicas' block pools.
 
 The hit rate is counted twice on purpose: from the requests' own first-admission hits (the traces) and
-from the replicas' KVCacheManager counters; the two must agree, or the simulator is wrong. A request
-cut by a scale-down counts against SLO attainment, as does one that never finished."""
+from the replicas' KVCacheManager counters; the two must agree, or the simulator is wrong. It is also
+bounded from above by one infinite cache shared by all (`infinite_cache_hits`), which no router can
+beat. A request cut by a scale-down counts against SLO attainment, as does one that never finished."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from .sim import SimOutcome
+from engine.block_hash import hash_block_chain
+
+from .sim import SimOutcome, Trace
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class RunResult:
     hit_tokens: int  # their prefix-cache hits, from the traces
     pool_queries: int  # the same two, from the replicas' KV-cache managers
     pool_hits: int
+    bound_hits: int  # what one infinite cache would have hit of the same prompt tokens
     ttft_p50: float
     ttft_p99: float
     tpot_p50: float
@@ -49,6 +53,10 @@ class RunResult:
     def hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def hit_bound(self) -> float:
+        return self.bound_hits / self.prompt_tokens if self.prompt_tokens else 0.0
+
 
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100); nan for no values."""
@@ -58,7 +66,31 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
-def summarize(outcome: SimOutcome, workload: str, router: str, autoscaler: str, slo: Slo = Slo()) -> RunResult:
+def infinite_cache_hits(traces: list[Trace], block_size: int) -> int:
+    """Prompt tokens a single cache that never evicts would have hit, over the admitted requests: each
+    one's longest prefix of full blocks (its last token always computed) among the prompts of requests
+    that arrived before it and the answers of those that finished before it. Generous: an upper bound."""
+    events = sorted([(t.arrival, 1, i) for i, t in enumerate(traces)]
+                    + [(t.finished, 0, i) for i, t in enumerate(traces) if t.finished is not None])
+    seen: set = set()
+    hits = 0
+    for _, arriving, i in events:
+        sim = traces[i].sim
+        hashes = sim.block_hashes(block_size)
+        if not arriving:
+            seen.update(hash_block_chain(sim.prompt + sim.output, block_size, parent_hashes=hashes))
+            continue
+        if traces[i].cached_tokens >= 0:
+            for h in hashes[: (len(sim.prompt) - 1) // block_size]:
+                if h not in seen:
+                    break
+                hits += block_size
+        seen.update(hashes)
+    return hits
+
+
+def summarize(outcome: SimOutcome, workload: str, router: str, autoscaler: str, slo: Slo = Slo(),
+              block_size: int = 16) -> RunResult:
     traces = outcome.traces
     done = [t for t in traces if t.finished is not None]
     admitted = [t for t in traces if t.cached_tokens >= 0]
@@ -80,6 +112,7 @@ def summarize(outcome: SimOutcome, workload: str, router: str, autoscaler: str, 
         prompt_tokens=sum(len(t.sim.prompt) for t in admitted), hit_tokens=sum(t.cached_tokens for t in admitted),
         pool_queries=sum(r.prefix_cache_queries for r in outcome.replicas),
         pool_hits=sum(r.prefix_cache_hits for r in outcome.replicas),
+        bound_hits=infinite_cache_hits(traces, block_size),
         ttft_p50=percentile(ttft, 50), ttft_p99=percentile(ttft, 99), tpot_p50=percentile(tpot, 50),
         slo_attainment=good / total if total else math.nan,
         imbalance=sum(outcome.imbalance_samples) / len(outcome.imbalance_samples) if outcome.imbalance_samples else 1.0,

@@ -16,8 +16,10 @@ and its own routing history. Only the oracle sees the replicas' true caches and 
 - prefix_approx: the same policy without block summaries (only its own routing record).
 - oracle: the same policy fed, at routing time, each replica's true cache (plus the prompts it has
   already accepted, which it will have cached by the time this request runs) and its true load: what the
-  policy would do with perfect, instant stats. Not an upper bound on every metric: its cost function is
-  the policy's, blind spots included."""
+  policy would do with perfect, instant stats. Not an upper bound, not even on the hit rate: it places
+  requests by the policy's cost, blind spots included (on the chat shape it piles new sessions onto the
+  few replicas that hold the shared system prompt, more than prefix_precise does, and their caches then
+  evict live histories). The bound is metrics.infinite_cache_hits."""
 
 from __future__ import annotations
 

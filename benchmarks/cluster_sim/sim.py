@@ -17,7 +17,7 @@ import heapq
 import itertools
 import time
 from collections import Counter, defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .autoscalers import CONTROL_LOOP_PERIOD_S, Autoscaler, Fixed
 from .fit import StepCostModel

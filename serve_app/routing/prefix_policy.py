@@ -4,11 +4,14 @@
 A request arrives with its prompt's chained block hashes (engine/block_hash.py). For each replica we
 estimate how many of those blocks, from block 0, it already holds: precisely, from the summary of cached
 block hashes the replica reports (when fresh enough), else approximately, from this router's own record
-of where it sent which prefixes (aged, LRU-bounded). The replica with the lowest cost wins:
+of where it sent which prefixes (aged, LRU-bounded). Either way the prompts of this router's requests
+still in flight there count as held: their blocks are computed or about to be, and a running request's
+blocks cannot be evicted, yet a report taken before they were computed cannot show them. The replica
+with the lowest cost wins:
 
-    cost = tokens it would still have to prefill
+    cost = tokens it would still have to prefill (x kv_full_token_factor when its KV cache is nearly
+             full: each block stored there evicts another prefix's block or preempts a request)
            + waiting_cost_tokens x requests waiting there + running_cost_tokens x requests running there
-           + a penalty when its KV cache is nearly full (it would evict or preempt)
 
 Replica reports are up to a stats period old; requests this router sent since are counted too (in
 flight until Serve reports them completed), so a burst does not pile onto one replica that still
@@ -26,7 +29,7 @@ Guards learned from the anchors' bugs (reference/routing_autoscaling.md, section
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from engine.block_hash import short_hash
@@ -59,7 +62,7 @@ class PrefixRouterConfig:
     waiting_cost_tokens: float = 256.0  # a request queued ahead delays us like prefilling this many tokens
     running_cost_tokens: float = 32.0  # a running request slows each step a little
     kv_full_usage: float = 0.92  # above this KV usage a replica would evict or preempt
-    kv_full_penalty_tokens: float = 4096.0
+    kv_full_token_factor: float = 2.0  # ...so each token it must newly store there costs this much more
     max_stats_age_s: float = 5.0  # older replica reports are not trusted
     approx_ttl_s: float = 300.0  # the router's own record forgets a routing after this long
     approx_capacity_blocks: int = 200_000  # per replica, LRU
@@ -110,7 +113,9 @@ class PrefixRouterPolicy:
     def __init__(self, config: PrefixRouterConfig | None = None) -> None:
         self.config = config or PrefixRouterConfig()
         self._approx = _ApproxIndex(self.config.approx_ttl_s, self.config.approx_capacity_blocks)
-        self._in_flight: dict[str, list[float]] = {}  # replica -> send times of this router's open requests
+        # Per replica, this router's open requests (send time, short hashes, oldest first) and their blocks.
+        self._in_flight: dict[str, deque[tuple[float, list[int]]]] = {}
+        self._in_flight_blocks: dict[str, Counter[int]] = {}
 
     def route(self, block_hashes: list[int], replicas: list[ReplicaLoad], now: float) -> RoutingDecision:
         if not replicas:
@@ -124,7 +129,10 @@ class PrefixRouterPolicy:
         scored = []
         for r in replicas:
             matched, source = self._matched(hashes, r, now)
-            cost = (len(hashes) - matched) * cfg.block_size + self._load_cost(r, now)
+            uncached = (len(hashes) - matched) * cfg.block_size
+            if r.kv_cache_usage >= cfg.kv_full_usage:
+                uncached *= cfg.kv_full_token_factor
+            cost = uncached + self._load_cost(r, now)
             scored.append((cost, _rendezvous(key, r.replica_id), r, matched, source))
         scored.sort(key=lambda s: (s[0], s[1]))
         _, _, best, matched, source = scored[0]
@@ -140,39 +148,47 @@ class PrefixRouterPolicy:
     def record(self, block_hashes: list[int], replica_id: str, now: float) -> None:
         """The request went to `replica_id`: from now on it (approximately) holds the prompt's blocks,
         and the request is in flight there until `complete`."""
-        self._approx.record([short_hash(h) for h in block_hashes], replica_id, now)
-        self._in_flight.setdefault(replica_id, []).append(now)
+        hashes = [short_hash(h) for h in block_hashes]
+        self._approx.record(hashes, replica_id, now)
+        self._in_flight.setdefault(replica_id, deque()).append((now, hashes))
+        self._in_flight_blocks.setdefault(replica_id, Counter()).update(hashes)
 
     def complete(self, replica_id: str) -> None:
-        """One of this router's requests to `replica_id` ended."""
+        """One of this router's requests to `replica_id` ended. Serve does not say which, so the oldest
+        is taken: a mismatch only swaps which of two prompts sent there still counts as held."""
         sent = self._in_flight.get(replica_id)
         if sent:
-            sent.pop(0)
+            _, hashes = sent.popleft()
+            blocks = self._in_flight_blocks[replica_id]
+            blocks.subtract(hashes)
+            for h in hashes:
+                if blocks[h] <= 0:
+                    blocks.pop(h, None)
 
     def forget_replica(self, replica_id: str) -> None:
         self._approx.forget(replica_id)
         self._in_flight.pop(replica_id, None)
+        self._in_flight_blocks.pop(replica_id, None)
 
     def _load_cost(self, r: ReplicaLoad, now: float) -> float:
         cfg = self.config
         waiting, running = r.num_waiting, r.num_running
         # Requests sent after the report was taken are not in it yet: count them as waiting.
-        newer = sum(1 for t in self._in_flight.get(r.replica_id, ()) if t > now - r.stats_age_s)
+        newer = sum(1 for t, _ in self._in_flight.get(r.replica_id, ()) if t > now - r.stats_age_s)
         if r.stats_age_s == float("inf"):  # never reported: what this router has in flight there
             newer = len(self._in_flight.get(r.replica_id, ()))
-        cost = cfg.waiting_cost_tokens * (waiting + newer) + cfg.running_cost_tokens * running
-        if r.kv_cache_usage >= cfg.kv_full_usage:
-            cost += cfg.kv_full_penalty_tokens
-        return cost
+        return cfg.waiting_cost_tokens * (waiting + newer) + cfg.running_cost_tokens * running
 
     def _matched(self, hashes: list[int], r: ReplicaLoad, now: float) -> tuple[int, str]:
         """Blocks of the prompt, from block 0, the replica holds; and which knowledge said so. A fresh
-        report wins; only routings made after it (which it cannot show yet) may extend it."""
+        report, with the prompts still in flight there, wins; only routings made after it (which it
+        cannot show yet) may extend it."""
         since = None
         precise = 0
         if r.cached_blocks is not None and r.stats_age_s <= self.config.max_stats_age_s:
+            in_flight = self._in_flight_blocks.get(r.replica_id, ())
             for h in hashes:
-                if h not in r.cached_blocks:
+                if h not in r.cached_blocks and h not in in_flight:
                     break
                 precise += 1
             since = now - r.stats_age_s

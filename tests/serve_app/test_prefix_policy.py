@@ -74,6 +74,7 @@ def test_fresh_reports_beat_router_memory_and_stale_ones_do_not():
     policy = PrefixRouterPolicy(PrefixRouterConfig(max_stats_age_s=5))
     h = prompt(4, 1)
     policy.record(h, "a", now=0.0)  # the router once sent it to a...
+    policy.complete("a")
     reported_by_b = ReplicaLoad("b", cached_blocks=holding(h, 20), stats_age_s=1.0)  # ...but b holds it
     a_says_nothing = ReplicaLoad("a", cached_blocks=frozenset(), stats_age_s=1.0)
     d = policy.route(h, replicas(a=a_says_nothing, b=reported_by_b), now=100.0)
@@ -91,6 +92,17 @@ def test_routings_newer_than_a_report_extend_it():
     assert policy.route(h, replicas(c=c), now=100.0).ranked[0] == "c"
 
 
+def test_requests_in_flight_count_as_held_though_a_report_cannot_show_them():
+    policy = PrefixRouterPolicy()
+    h = prompt(5, 1)
+    policy.record(h, "c", now=98.0)  # before c's report, but not computed by then: the report misses it
+    c = ReplicaLoad("c", cached_blocks=frozenset(), stats_age_s=1.0)
+    d = policy.route(prompt(5, 2), replicas(c=c), now=100.0)
+    assert d.ranked[0] == "c" and d.matched_blocks == 20 and d.source == "precise"
+    policy.complete("c")  # finished: from now on only c's reports say what it holds
+    assert policy.route(prompt(5, 2), replicas(c=c), now=100.0).matched_blocks == 0
+
+
 def test_short_prompts_skip_affinity_and_nearly_full_caches_are_avoided():
     policy = PrefixRouterPolicy(PrefixRouterConfig(min_prefix_blocks=2))
     short = hash_block_chain([9] * BS, BS)  # one block
@@ -99,7 +111,9 @@ def test_short_prompts_skip_affinity_and_nearly_full_caches_are_avoided():
     assert d.reason == "short_prompt" and d.ranked[-1] == "a"
     h = prompt(6, 1)
     full = ReplicaLoad("a", kv_cache_usage=0.97, cached_blocks=holding(h, 2))
-    assert policy.route(h, replicas(a=full), 0.0).ranked[-1] == "a"
+    assert policy.route(h, replicas(a=full), 0.0).ranked[-1] == "a"  # it would store 20 blocks there
+    hit = ReplicaLoad("a", kv_cache_usage=0.97, cached_blocks=holding(h, 20), num_running=8)
+    assert policy.route(h, replicas(a=hit), 0.0).ranked[0] == "a"  # but only 2 for a full hit
 
 
 def test_empty_and_forgotten_replicas():
