@@ -6,7 +6,8 @@ from engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedE
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from engine.spec_decode.config import SpeculativeConfig
 from engine.stats import EngineStats
 
 __all__ = [
@@ -14,7 +15,9 @@ __all__ = [
     "AsyncLLM",
     "LLMEngine",
     "EngineConfig",
+    "SpeculativeConfig",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutputKind",
     "RequestOutput",
     "CompletionOutput",

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.spec_decode.config import SpeculativeConfig
+
 
 class EngineConfig(BaseModel):
     """Configuration of one inference engine. An invalid value raises a pydantic ValidationError
@@ -88,4 +90,10 @@ class EngineConfig(BaseModel):
         ge=0,
         description="AsyncLLM admission control: beyond this many waiting requests, `generate` raises "
         "EngineOverloadedError at once (HTTP 429). None: unbounded.",
+    )
+    speculative_config: SpeculativeConfig | None = Field(
+        None,
+        description="Speculative decoding (a SpeculativeConfig or a dict of its fields): draft tokens by n-gram "
+        "lookup or a draft model and verify them in one target forward. Greedy output is unchanged; sampled "
+        "output keeps the target's distribution. None: off.",
     )

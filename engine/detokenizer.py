@@ -52,6 +52,10 @@ class IncrementalDetokenizer:
         self._hold_back = 0 if include_stop_str_in_output else max((len(s) for s in self.stop), default=1) - 1
         self.output_text = ""
         self._num_sent = 0  # characters of output_text already returned by get_delta
+        # After update() found a stop string: how many of its tokens the text needed, through the one that
+        # completed the stop (speculative decoding delivers several per step; later ones are dropped).
+        # None when the stop appeared only in the final flush, after every token.
+        self.num_tokens_to_stop: int | None = None
 
     def _window(self, start: int, end: int) -> str:
         return self._decode(self._tokens[start:end], skip_special_tokens=self._skip_special_tokens)
@@ -63,7 +67,7 @@ class IncrementalDetokenizer:
         pieces = [self._tokens.append(t) or self._next_piece(final=False) for t in new_token_ids]
         if final:
             pieces.append(self._next_piece(final=True))
-        for piece in pieces:
+        for i, piece in enumerate(pieces):
             if not piece:
                 continue
             start = len(self.output_text)
@@ -71,6 +75,7 @@ class IncrementalDetokenizer:
             if check_stop and self.stop:
                 hit = self._find_stop(start)
                 if hit is not None:
+                    self.num_tokens_to_stop = i + 1 if i < len(new_token_ids) else None
                     return hit
         return None
 

@@ -15,6 +15,7 @@ The loop takes commands ("add", PreparedRequest), ("abort", request_id), ("stop"
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import time
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # an idle loop re-checks for commands this often
 SUMMARY_PERIOD_S = 0.5  # the prefix-cache summary for routers is refreshed at most this often
+TRIM_PERIOD_S = 10.0  # the engine process hands freed heap memory back to the OS this often
 
 Command = tuple[str, object]
 Event = tuple
@@ -71,6 +73,28 @@ def run_engine_loop(engine: LLMEngine, next_command: Callable[[float], Command |
         raise
 
 
+def heap_trimmer(period_s: float = TRIM_PERIOD_S, idle_gap_s: float = 1.0) -> Callable[[bool], None]:
+    """`maybe_trim(idle)`, to call once per loop turn: runs glibc's malloc_trim(0) when the loop goes idle (at
+    most every `idle_gap_s`) and every `period_s` under load. The loop's tensors of ever-varying sizes leave
+    glibc's main heap fragmented, and freed memory there stays resident: under a soak (benchmarks/soak.py,
+    concurrency 64) the engine process grew ~50% over 7,000 requests while its live memory stayed flat.
+    A trim costs ~20 ms per 200 MiB it returns. A no-op off glibc."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return lambda idle: None
+    last, was_busy = float("-inf"), False
+
+    def maybe_trim(idle: bool) -> None:
+        nonlocal last, was_busy
+        went_idle, was_busy = idle and was_busy, not idle
+        if time.monotonic() - last >= (idle_gap_s if went_idle else period_s):
+            trim(0)
+            last = time.monotonic()
+
+    return maybe_trim
+
+
 def run_engine_process(config: EngineConfig, commands: Connection, events: Connection) -> None:
     """Entry point of the engine process (spawned, so it imports this module afresh)."""
     try:
@@ -82,7 +106,10 @@ def run_engine_process(config: EngineConfig, commands: Connection, events: Conne
     gc.freeze()  # see AsyncLLM: full collections must not stall the loop
     events.send(("ready", engine.get_stats()))
 
+    maybe_trim = heap_trimmer()
+
     def next_command(timeout: float) -> Command | None:
+        maybe_trim(idle=timeout > 0)  # the loop waits only when no request is unfinished
         return commands.recv() if commands.poll(timeout) else None
 
     try:

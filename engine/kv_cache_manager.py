@@ -86,6 +86,19 @@ class KVCacheManager:
         if end > start:
             self._num_cached_blocks[request.request_id] = end
 
+    def free_tail(self, request: Request) -> None:
+        """Release the blocks past those holding the request's tokens: slots reserved for draft tokens
+        that were rejected (or never proposed). Never cached: no computed token lives in them."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = -(-request.num_tokens // self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        del blocks[keep:]
+        # A new list, not an edit in place: the block table sees it and rewrites the row.
+        self.req_to_block_ids[request.request_id] = [b.block_id for b in blocks]
+        self.block_pool.free(reversed(tail))
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so the free queue evicts a chain's tail (its least
         shareable blocks) before its head."""

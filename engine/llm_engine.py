@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from concurrent import futures
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from engine.sampler import sample_seed
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineStats
+from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -68,9 +70,15 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
+            num_speculative_tokens=config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
         )
         self.input_processor = InputProcessor(config, self.model_config, self.tokenizer, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids, config.max_num_seqs
+        )
+        self.model_runner.structured_output = self.structured_output
+        self._compiling: dict[str, list[Request]] = {}  # samples whose grammar is still compiling
         self._children: dict[str, list[Request]] = {}  # in-flight parent id -> its samples
         self._parked: dict[str, list[Request]] = {}  # samples waiting for their first sibling's prefill
         self._num_steps = 0
@@ -123,6 +131,14 @@ class LLMEngine:
         ]
         self._children[rid] = children
         self.output_processor.add_request(rid, prepared.prompt, children)
+        if params.structured_outputs is not None:
+            # Compiled off the step loop; the scheduler sees the request once its grammar is ready.
+            self.structured_output.add(children)
+            self._compiling[rid] = children
+            return
+        self._enqueue(rid, children)
+
+    def _enqueue(self, rid: str, children: list[Request]) -> None:
         self.scheduler.add_request(children[0])
         if len(children) > 1 and self.config.enable_prefix_caching:
             # The other samples wait for the first to compute the prompt, then share its blocks.
@@ -144,7 +160,7 @@ class LLMEngine:
     def _finish(self, request_ids: list[str], status: RequestStatus, error: str | None = None) -> list[RequestOutput]:
         requests = []
         for rid in request_ids:
-            parked = self._parked.pop(rid, [])
+            parked = self._parked.pop(rid, []) + self._compiling.pop(rid, [])
             for child in self._children.get(rid, []):
                 if child.is_finished:
                     continue
@@ -165,25 +181,59 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns outputs for the requests it advanced (per their output_kind)."""
+        compile_failures = self._release_compiled()
         so = self.scheduler.schedule()
         self._num_steps += 1
         if so.is_empty:
             self.model_runner.release(so.released_request_ids)
-            return []
+            if self._compiling:  # nothing to run but grammars compiling: wait for one rather than spin
+                futures.wait([c[0].grammar.future for c in self._compiling.values()], 0.02, futures.FIRST_COMPLETED)
+            return compile_failures
         start = time.monotonic()
         out, failed = self._execute_isolated(so)
         if self.config.collect_step_timings:
             self._record_step(so, start, time.monotonic())
-        for request, entry in zip(so.requests, out.logprobs):
-            if entry is not None:
-                request.logprobs.append(_logprob_dict(entry))
-                request.cumulative_logprob += entry[1][0]
         for j, entries in out.prompt_logprobs.items():
             so.requests[j].prompt_logprobs.extend(_logprob_dict(e) for e in entries)
-        updated = self.scheduler.update_from_output(so, out.sampled_token_ids)
+        updated = self.scheduler.update_from_output(so, out.sampled_token_ids, out.num_accepted_drafts)
+        for j, (request, entry) in enumerate(zip(so.requests, out.logprobs)):
+            if entry is not None:
+                # One entry per token appended: accepted drafts first; a stop may have cut some.
+                entries = out.draft_logprobs[j] + [entry] if j in out.draft_logprobs else [entry]
+                for e in entries[: request.num_output_tokens - len(request.logprobs)]:
+                    request.logprobs.append(_logprob_dict(e))
+                    request.cumulative_logprob += e[1][0]
+        self._advance_grammars(updated)
         outputs = self._finish(failed, RequestStatus.FINISHED_ERROR, error="the engine failed while running this request")
+        outputs = compile_failures + outputs
         self._release_parked()
         return outputs + self._emit(updated)
+
+    def _release_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar has compiled; fail those whose compile failed."""
+        if not self._compiling:
+            return []
+        failed = []
+        for rid, children in list(self._compiling.items()):
+            state = children[0].grammar
+            if not state.ready:
+                continue
+            error = state.error()
+            if error is not None:
+                failed.extend(self._finish([rid], RequestStatus.FINISHED_ERROR, error=error))
+            else:
+                del self._compiling[rid]
+                self._enqueue(rid, children)
+        return failed
+
+    def _advance_grammars(self, updated: list[Request]) -> None:
+        """Matchers consume the new tokens; a completed grammar ends its request with "stop"."""
+        terminated, rejected = self.structured_output.advance(updated)
+        for request in terminated:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        for request in rejected:
+            request.error = "a sampled token broke the request's structured_outputs grammar"
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
 
     @staticmethod
     def _record_step(so: SchedulerOutput, start: float, end: float) -> None:
@@ -198,7 +248,8 @@ class LLMEngine:
         outputs = self.output_processor.make_outputs(updated)
         for output in outputs:
             if output.finished:
-                self._children.pop(output.request_id, None)
+                for child in self._children.pop(output.request_id, ()):
+                    self.structured_output.release(child)
                 self._parked.pop(output.request_id, None)
         return outputs
 
@@ -216,15 +267,21 @@ class LLMEngine:
         merged = ModelRunnerOutput([None] * len(so.requests), [None] * len(so.requests), {})
         failed, errors = [], []
         for j, (request, n) in enumerate(zip(so.requests, so.num_scheduled_tokens)):
+            alone = SchedulerOutput([request], [n])
             try:
-                single = self.model_runner.execute(SchedulerOutput([request], [n]), kv)
+                single = self.model_runner.execute(alone, kv)
             except Exception as e:
                 failed.append(request.external_id)
                 errors.append(e)
                 so.num_scheduled_tokens[j] = 0
                 continue
+            so.num_scheduled_tokens[j] = alone.num_scheduled_tokens[0]  # draft slots shrink to the drafts found
             merged.sampled_token_ids[j] = single.sampled_token_ids[0]
             merged.logprobs[j] = single.logprobs[0]
+            if 0 in single.num_accepted_drafts:
+                merged.num_accepted_drafts[j] = single.num_accepted_drafts[0]
+            if 0 in single.draft_logprobs:
+                merged.draft_logprobs[j] = single.draft_logprobs[0]
             if 0 in single.prompt_logprobs:
                 merged.prompt_logprobs[j] = single.prompt_logprobs[0]
         if len(failed) < len(so.requests):
@@ -259,7 +316,7 @@ class LLMEngine:
         return EngineStats(
             kv_cache_usage=kv.usage,
             num_running=s.num_running,
-            num_waiting=s.num_waiting + sum(map(len, self._parked.values())),
+            num_waiting=s.num_waiting + sum(map(len, self._parked.values())) + sum(map(len, self._compiling.values())),
             num_kv_blocks=kv.block_pool.num_usable_blocks,
             block_size=self.config.block_size,
             num_preemptions=s.num_preemptions,
@@ -269,6 +326,9 @@ class LLMEngine:
             generation_tokens=s.num_generation_tokens,
             num_requests_finished=s.num_finished,
             num_steps=self._num_steps,
+            spec_decode_num_drafts=s.num_spec_drafts,
+            spec_decode_num_draft_tokens=s.num_spec_draft_tokens,
+            spec_decode_num_accepted_tokens=s.num_spec_accepted_tokens,
         )
 
 

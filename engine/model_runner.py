@@ -3,7 +3,8 @@ the attention backend, computes logits only at positions that sample, and sample
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +14,14 @@ from engine.block_table import BlockTable
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.models.config import ModelConfig
-from engine.models.loader import build_model
-from engine.sampler import Sampler, build_sampling_metadata, gather_logprobs
+from engine.models.llama import LlamaForCausalLM
+from engine.models.loader import build_model, resolve_model_path
+from engine.request import Request
+from engine.sampler import Sampler, SamplerOutput, SamplingMetadata, build_sampling_metadata, gather_logprobs, processed_probs
 from engine.scheduler import SchedulerOutput
+from engine.spec_decode.draft_proposer import DraftModelProposer
+from engine.spec_decode.ngram_proposer import NgramProposer
+from engine.spec_decode.rejection_sampler import accept_greedy, rejection_sample
 from kernels.attention import AttentionMetadata, get_attention_backend
 from kernels.cpu.linear import pack_linear_layers
 
@@ -34,6 +40,10 @@ class ModelRunnerOutput:
     logprobs: list[LogprobEntry | None]
     # Per scheduled request asking for them: prompt logprobs of the positions computed this step.
     prompt_logprobs: dict[int, list[LogprobEntry]]
+    # Speculative decoding, per request that verified drafts: how many were accepted (they come before
+    # its sampled token), and their logprob entries when asked for.
+    num_accepted_drafts: dict[int, int] = field(default_factory=dict)
+    draft_logprobs: dict[int, list[LogprobEntry]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -56,6 +66,8 @@ class ModelRunner:
         self.model = build_model(model_config, model_path, load_format, dtype, device, config.seed)
         if device.type == "cpu":
             pack_linear_layers(self.model, config.max_num_seqs)
+        spec = config.speculative_config
+        self.draft_model = self._load_draft(spec.model, load_format) if spec and spec.method == "draft_model" else None
         self.num_blocks = self._num_kv_blocks()
         backend_cls = get_attention_backend(config.attention_backend, device.type)
         self.attn_backend = backend_cls(
@@ -71,12 +83,47 @@ class ModelRunner:
         for layer in self.model.attention_layers:
             layer.kv_cache = torch.zeros(self.attn_backend.kv_cache_shape(), dtype=dtype, device=device)
         self.sampler = Sampler(config.seed)
+        self.structured_output = None  # the engine's StructuredOutputManager: masks constrained rows' logits
         self.block_table = BlockTable(config.max_num_seqs, -(-max_model_len // self.block_size))
+        self.ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec and spec.method == "ngram" else None
+        self.drafter = None
+        if self.draft_model is not None:
+            draft_cfg = self.draft_model.config
+            draft_backend = backend_cls(
+                draft_cfg.num_attention_heads, draft_cfg.num_key_value_heads, draft_cfg.head_dim,
+                self.block_size, self.num_blocks, dtype, device,
+            )
+            # The draft's own KV, indexed by the target's block ids: one allocation, caching and freeing.
+            for layer in self.draft_model.attention_layers:
+                layer.kv_cache = torch.zeros(draft_backend.kv_cache_shape(), dtype=dtype, device=device)
+            self.drafter = DraftModelProposer(
+                self.draft_model, draft_backend,
+                lambda request, kv: self.block_table.sync(request.request_id, kv.get_block_ids(request)),
+                self._prepare_inputs, self.sampler.generator, device,
+            )
+
+    def _load_draft(self, model: str, load_format: str) -> LlamaForCausalLM:
+        path = resolve_model_path(model)
+        cfg = ModelConfig.from_pretrained(path)
+        if cfg.vocab_size != self.model_config.vocab_size:
+            raise ValueError(
+                f"speculative_config.model: the draft's vocabulary has {cfg.vocab_size} tokens, the target's "
+                f"{self.model_config.vocab_size}; pick a draft that shares the target's tokenizer"
+            )
+        if cfg.max_position_embeddings < self.max_model_len:
+            raise ValueError(
+                f"speculative_config.model: the draft handles {cfg.max_position_embeddings} positions, fewer than "
+                f"max_model_len={self.max_model_len}; lower max_model_len or pick another draft"
+            )
+        draft = build_model(cfg, path, load_format, self.dtype, self.device, self.config.seed)
+        if self.device.type == "cpu":
+            pack_linear_layers(draft, self.config.max_num_seqs)
+        return draft
 
     def _bytes_per_block(self) -> int:
-        cfg = self.model_config
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * self.block_size * elem
+        configs = [self.model_config] + ([self.draft_model.config] if self.draft_model is not None else [])
+        return sum(2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.block_size * elem for c in configs)
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -104,6 +151,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
         self.release(so.released_request_ids)
+        draft_probs = self._propose(so, kv) if self.ngram is not None or self.drafter is not None else {}
         # Decodes first: backends batch the leading single-token sequences together.
         order = sorted(range(len(so.requests)), key=lambda j: so.num_scheduled_tokens[j] != 1)
         input_ids: list[int] = []
@@ -115,18 +163,23 @@ class ModelRunner:
         for j in order:
             request, n = so.requests[j], so.num_scheduled_tokens[j]
             start = request.num_computed_tokens
+            drafts = request.spec_token_ids
             if n == 1:
                 input_ids.append(request.all_token_ids[start])
             else:
                 input_ids.extend(request.all_token_ids[start : start + n])
+                input_ids.extend(drafts)
             starts.append(start)
             q_lens.append(n)
             row, width = self.block_table.sync(request.request_id, kv.get_block_ids(request))
             rows.append(row)
             widths.append(width)
-            if start + n == request.num_tokens:
+            if start + n == request.num_tokens + len(drafts):
                 samplers.append(j)
-                logit_rows.append(num_tokens + n - 1)
+                if drafts:  # every verified position: the last token's and each draft's
+                    logit_rows.extend(range(num_tokens + n - 1 - len(drafts), num_tokens + n))
+                else:
+                    logit_rows.append(num_tokens + n - 1)
             if request.wants_prompt_logprobs:
                 # Position p predicts prompt token p + 1; skip positions already done before a preemption.
                 first = max(start, len(request.prompt_logprobs) - 1)
@@ -149,15 +202,24 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
         if samplers:
             requests = [so.requests[j] for j in samplers]
-            sampled = self.sampler(logits[:num_sampled], build_sampling_metadata(requests, self.model_config.vocab_size, self.device))
-            for j, token in zip(samplers, sampled.token_ids.tolist()):
-                out.sampled_token_ids[j] = token
-            if sampled.logprobs is not None:
-                entries = _logprob_entries(sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_ranks)
-                for j, entry in zip(samplers, entries):
-                    want = so.requests[j].sampling_params.logprobs
-                    if want is not None:
-                        out.logprobs[j] = (entry[0][: 1 + want], entry[1][: 1 + want], entry[2])
+            speculating = num_sampled > len(samplers)
+            if speculating:  # one row per verified position
+                requests = [view for r in requests for view in _position_views(r)]
+            if self.structured_output is not None:
+                self.structured_output.apply_bitmask(logits[:num_sampled], requests)
+            md = build_sampling_metadata(requests, self.model_config.vocab_size, self.device)
+            sampled = self.sampler(logits[:num_sampled], md)
+            if speculating:
+                self._verify(so, samplers, logits[:num_sampled], md, sampled, draft_probs, out)
+            else:
+                for j, token in zip(samplers, sampled.token_ids.tolist()):
+                    out.sampled_token_ids[j] = token
+                if sampled.logprobs is not None:
+                    entries = _logprob_entries(sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_ranks)
+                    for j, entry in zip(samplers, entries):
+                        want = so.requests[j].sampling_params.logprobs
+                        if want is not None:
+                            out.logprobs[j] = (entry[0][: 1 + want], entry[1][: 1 + want], entry[2])
         offset = num_sampled
         for j, first, count, _ in prompt_rows:
             request = so.requests[j]
@@ -171,6 +233,83 @@ class ModelRunner:
         """Forget per-request state of requests that left the running set."""
         for request_id in request_ids:
             self.block_table.release(request_id)
+        if self.drafter is not None:
+            self.drafter.release(request_ids)
+
+    def _propose(self, so: SchedulerOutput, kv: KVCacheManager) -> dict[int, torch.Tensor]:
+        """Draft tokens for the requests the scheduler gave draft slots (scheduled past their last token),
+        whose scheduled tokens then shrink to 1 + the drafts found. Returns the draft model's q per
+        non-greedy request (none for n-gram drafts: point masses)."""
+        slots = {}
+        for j, (request, n) in enumerate(zip(so.requests, so.num_scheduled_tokens)):
+            if request.num_computed_tokens + n > request.num_tokens:
+                slots[j] = request.num_computed_tokens + n - request.num_tokens
+        probs = {}
+        if self.drafter is not None:  # runs even without slots: the draft's KV follows every prompt
+            probs = self.drafter.propose(so.requests, so.num_scheduled_tokens, slots, kv)
+        else:
+            for j, k in slots.items():
+                so.requests[j].spec_token_ids = self.ngram.propose(so.requests[j].all_token_ids, k)
+        for j in slots:
+            so.num_scheduled_tokens[j] = 1 + len(so.requests[j].spec_token_ids)
+        return probs
+
+    def _verify(
+        self,
+        so: SchedulerOutput,
+        samplers: list[int],
+        logits: torch.Tensor,
+        md: SamplingMetadata,
+        sampled: SamplerOutput,
+        draft_probs: dict[int, torch.Tensor],
+        out: ModelRunnerOutput,
+    ) -> None:
+        """Emitted tokens of a step with drafts; each sampler owns 1 + len(drafts) consecutive rows.
+        Greedy rows keep the sampler's argmax (exactly what decoding without drafts picks); non-greedy
+        requests with drafts go through rejection sampling against the processed distributions."""
+        tokens = sampled.token_ids.tolist()
+        emitted: dict[int, tuple[int, list[int]]] = {}  # j -> (first row, tokens)
+        rejection: list[tuple[int, int]] = []  # (j, first row)
+        row = 0
+        for j in samplers:
+            drafts = so.requests[j].spec_token_ids
+            if not drafts:
+                emitted[j] = (row, [tokens[row]])
+            elif so.requests[j].sampling_params.greedy:
+                emitted[j] = (row, accept_greedy(drafts, tokens[row : row + 1 + len(drafts)]))
+            else:
+                rejection.append((j, row))
+            row += 1 + len(drafts)
+        if rejection:
+            rows = [r for j, first in rejection for r in range(first, first + 1 + len(so.requests[j].spec_token_ids))]
+            rows_t = torch.tensor(rows, device=self.device)
+            p = processed_probs(sampled.logits[rows_t], md, rows_t)
+            q = torch.cat([draft_probs[j] for j, _ in rejection]) if draft_probs else None
+            drafts = [so.requests[j].spec_token_ids for j, _ in rejection]
+            for (j, first), tokens_j in zip(rejection, rejection_sample(p, drafts, q, self.sampler.generator)):
+                emitted[j] = (first, tokens_j)
+        logprob_rows, logprob_tokens = [], []
+        for j, (first, tokens_j) in emitted.items():
+            out.sampled_token_ids[j] = tokens_j[-1]
+            if so.requests[j].spec_token_ids:
+                out.num_accepted_drafts[j] = len(tokens_j) - 1
+            if md.max_num_logprobs is not None and so.requests[j].sampling_params.logprobs is not None:
+                logprob_rows.extend(range(first, first + len(tokens_j)))
+                logprob_tokens.extend(tokens_j)
+        if logprob_rows:
+            # Raw logprobs of the emitted tokens, position by position, as the sampler reports them.
+            entries = iter(_logprob_entries(*gather_logprobs(
+                logits[torch.tensor(logprob_rows, device=self.device)].float(),
+                torch.tensor(logprob_tokens, device=self.device), md.max_num_logprobs,
+            )))
+            for j, (_, tokens_j) in emitted.items():
+                want = so.requests[j].sampling_params.logprobs
+                if want is None:
+                    continue
+                trimmed = [(e[0][: 1 + want], e[1][: 1 + want], e[2]) for e in (next(entries) for _ in tokens_j)]
+                out.logprobs[j] = trimmed[-1]
+                if len(trimmed) > 1:
+                    out.draft_logprobs[j] = trimmed[:-1]
 
     def _prepare_inputs(
         self, starts: list[int], q_lens: list[int], rows: list[int], width: int
@@ -207,3 +346,17 @@ class ModelRunner:
 
 def _logprob_entries(ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor) -> list[LogprobEntry]:
     return list(zip(ids.tolist(), values.tolist(), ranks.tolist()))
+
+
+def _position_views(request: Request) -> list[Request]:
+    """The request once per verified position. With penalties, position i sees the drafts before it as
+    output tokens (shallow copies); otherwise every position samples alike."""
+    drafts = request.spec_token_ids
+    if not request.sampling_params.has_penalties:
+        return [request] * (1 + len(drafts))
+    views = [request]
+    for i in range(1, 1 + len(drafts)):
+        view = copy.copy(request)
+        view.output_token_ids = request.output_token_ids + drafts[:i]
+        views.append(view)
+    return views

@@ -67,7 +67,8 @@ class OutputProcessor:
             if sample.detokenizer is None or not (sample.incremental or request.is_finished):
                 continue
             params = request.sampling_params
-            new = request.output_token_ids[sample.num_detokenized :]
+            first = sample.num_detokenized
+            new = request.output_token_ids[first:]
             sample.num_detokenized = request.num_output_tokens
             if request.status is RequestStatus.FINISHED_STOPPED and not params.include_stop_str_in_output:
                 new = new[:-1]  # the EOS or stop token itself is not text
@@ -75,6 +76,10 @@ class OutputProcessor:
                 new, check_stop=request.num_output_tokens >= params.min_tokens, final=request.is_finished
             )
             if stop is not None:
+                # Speculative decoding may have appended tokens after the one completing the stop string.
+                if sample.detokenizer.num_tokens_to_stop is not None:
+                    _drop_output_tokens(request, first + sample.detokenizer.num_tokens_to_stop)
+                    sample.num_detokenized = request.num_output_tokens
                 request.stop_reason = stop
                 if request.status is RequestStatus.FINISHED_LENGTH:  # hit on its last token: the stop wins
                     request.status = RequestStatus.FINISHED_STOPPED
@@ -145,6 +150,19 @@ class OutputProcessor:
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason if finished else None,
         )
+
+
+def _drop_output_tokens(request: Request, keep: int) -> None:
+    """Cut the request's output after its first `keep` tokens (a finishing request: its KV is freed next)."""
+    extra = request.num_output_tokens - keep
+    if extra <= 0:
+        return
+    if request.logprobs is not None:
+        for token, logprobs in zip(request.output_token_ids[keep:], request.logprobs[keep:]):
+            request.cumulative_logprob -= logprobs[token].logprob
+        del request.logprobs[keep:]
+    del request.output_token_ids[keep:]
+    del request.all_token_ids[-extra:]
 
 
 def _metrics(requests: list[Request], finished: bool) -> RequestMetrics:

@@ -7,10 +7,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_hash import BlockHash, hash_block_chain
 from engine.outputs import PromptLogprobs, SampleLogprobs, StepTiming
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output.manager import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -69,7 +73,11 @@ class Request:
     last_token_time: float | None = None
     finished_time: float | None = None
     preempted_times: list[float] = field(default_factory=list)
+    # Speculative decoding: draft tokens the current step verifies after the last token; never part of
+    # all_token_ids (nor of block hashes) unless accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
     step_timings: list[StepTiming] = field(default_factory=list)  # not yet sent in an output
+    grammar: GrammarState | None = None  # structured outputs: this sample's compile and matcher
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -52,6 +52,9 @@ class SamplerOutput:
     logprob_token_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     sampled_ranks: torch.Tensor | None = None
+    # The logits after bias, penalties and bans: processed_probs(logits[rows], md, rows) is the distribution
+    # sampled rows drew from (speculative decoding verifies drafts against it).
+    logits: torch.Tensor | None = None
 
 
 def build_sampling_metadata(requests: Sequence[Request], vocab_size: int, device: torch.device) -> SamplingMetadata:
@@ -166,22 +169,13 @@ class Sampler:
         else:
             rows = (md.temperature > 0).nonzero().squeeze(1)
             tokens = greedy.index_copy(0, rows, self._sample(logits[rows], md, rows))
-        out = SamplerOutput(token_ids=tokens)
+        out = SamplerOutput(token_ids=tokens, logits=logits)
         if md.max_num_logprobs is not None:
             out.logprob_token_ids, out.logprobs, out.sampled_ranks = gather_logprobs(raw, tokens, md.max_num_logprobs)
         return out
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
-        logits = logits / md.temperature[rows, None]
-        if md.min_p is not None:
-            probs = logits.softmax(dim=-1)
-            threshold = md.min_p[rows, None] * probs.max(dim=-1, keepdim=True).values
-            logits = logits.masked_fill(probs < threshold, float("-inf"))
-        top_k = md.top_k[rows] if md.top_k is not None else None
-        top_p = md.top_p[rows] if md.top_p is not None else None
-        if top_k is not None or top_p is not None:
-            logits = apply_top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)
+        probs = processed_probs(logits, md, rows)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (a Gumbel-max in disguise).
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         if md.seeds:
@@ -190,6 +184,21 @@ class Sampler:
                 self._row_generator.manual_seed(seed)
                 noise[position[row]].exponential_(generator=self._row_generator)
         return probs.div_(noise).argmax(dim=-1)
+
+
+def processed_probs(logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
+    """The distribution non-greedy `rows` of the batch sample from, given their logits after bias,
+    penalties and bans: temperature, min_p, then top-k/top-p."""
+    logits = logits / md.temperature[rows, None]
+    if md.min_p is not None:
+        probs = logits.softmax(dim=-1)
+        threshold = md.min_p[rows, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    top_k = md.top_k[rows] if md.top_k is not None else None
+    top_p = md.top_p[rows] if md.top_p is not None else None
+    if top_k is not None or top_p is not None:
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    return logits.softmax(dim=-1)
 
 
 def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:

@@ -6,18 +6,91 @@ when the engine accepts the request; everything else happens here, at constructi
 from __future__ import annotations
 
 import enum
+import json
 from functools import cached_property
+from typing import Any
 
+import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily, as in vLLM
 MAX_LOGPROBS = 20
+# Largest schema, regex, grammar or choice list (UTF-8 bytes of its text): compile time and matcher
+# memory grow with it, and a bigger one is more likely a mistake than a format.
+MAX_GRAMMAR_BYTES = 64 * 1024
 
 
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = "cumulative"  # every output carries everything generated so far
     DELTA = "delta"  # every output carries only what is new since the previous one
     FINAL_ONLY = "final_only"  # one output, when the request finishes
+
+
+class StructuredOutputsParams(BaseModel):
+    """Constrain the output to a format (vLLM's names): exactly one of a JSON schema, any JSON object, a
+    regular expression, one of a list of strings, or an EBNF grammar (xgrammar's dialect, GBNF-like).
+    JSON is generated compactly (", " and ": " separators, no free whitespace), so that a model cannot
+    pad it forever. Checks needing the tokenizer (the compile itself) come later, when the engine or the
+    serving ingress compiles it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    # `json` would shadow BaseModel.json: the field is `json_schema`, set as json=... like vLLM's.
+    json_schema: dict[str, Any] | bool | str | None = Field(None, alias="json", description="A JSON schema (dict or its text).")
+    json_object: bool | None = Field(None, description="True: any JSON object.")
+    regex: str | None = Field(None, description="A regular expression the whole output matches.")
+    choice: list[str] | None = Field(None, description="The output is exactly one of these strings.")
+    grammar: str | None = Field(None, description="An EBNF grammar whose `root` rule the output matches.")
+
+    @model_validator(mode="after")
+    def _check(self) -> StructuredOutputsParams:
+        given = [k for k in ("json", "json_object", "regex", "choice", "grammar") if self._value(k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: give exactly one of json, json_object, regex, choice, grammar; got {given or 'none'}")
+        kind, text = self.kind, self.text
+        if len(text.encode()) > MAX_GRAMMAR_BYTES:
+            raise ValueError(f"structured_outputs: the {kind} is {len(text.encode())} bytes; at most {MAX_GRAMMAR_BYTES} are accepted")
+        if kind == "json":
+            schema = self.schema
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("structured_outputs: json must be a JSON schema: an object (or true/false)")
+            try:
+                jsonschema.validators.validator_for(schema).check_schema(schema)
+            except jsonschema.SchemaError as e:
+                where = "/".join(map(str, e.absolute_path)) or "the root"
+                raise ValueError(f"structured_outputs: json is not a valid JSON schema at {where}: {e.message}") from None
+        elif kind == "choice" and not self.choice:
+            raise ValueError("structured_outputs: choice must list at least one string")
+        elif kind in ("regex", "grammar") and not text:
+            raise ValueError(f"structured_outputs: {kind} must not be empty")
+        return self
+
+    def _value(self, kind: str):
+        return self.json_schema if kind == "json" else getattr(self, kind)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "json_object", "regex", "choice", "grammar") if self._value(k) not in (None, False))
+
+    @cached_property
+    def schema(self) -> Any:
+        """The JSON schema as an object (json only)."""
+        if isinstance(self.json_schema, str):
+            try:
+                return json.loads(self.json_schema)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs: json is not valid JSON: {e}") from None
+        return self.json_schema
+
+    @cached_property
+    def text(self) -> str:
+        """The format as text: what the compiler reads and its cache is keyed by (with `kind`)."""
+        kind = self.kind
+        if kind == "json":
+            return self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)
+        if kind == "choice":
+            return json.dumps(self.choice)
+        return "" if kind == "json_object" else self._value(kind)
 
 
 class SamplingParams(BaseModel):
@@ -53,6 +126,9 @@ class SamplingParams(BaseModel):
     )
     detokenize: bool = Field(True, description="Produce text; False returns token ids only.")
     output_kind: RequestOutputKind = Field(RequestOutputKind.CUMULATIVE, description="What each output carries.")
+    structured_outputs: StructuredOutputsParams | None = Field(
+        None, description="Constrain the output to a JSON schema, regex, choice or grammar; ends it when complete."
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -67,6 +143,9 @@ class SamplingParams(BaseModel):
             raise ValueError("stop_token_ids: must be non-negative token ids")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens: {self.min_tokens} exceeds max_tokens={self.max_tokens}")
+        if self.structured_outputs is not None and self.min_tokens:
+            # Once the grammar is complete only EOS may follow, and min_tokens would ban it.
+            raise ValueError("min_tokens: cannot be combined with structured_outputs; the format decides the length")
         for token, bias in (self.logit_bias or {}).items():
             if token < 0 or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias: token {token} -> {bias}; ids must be >= 0 and biases in [-100, 100]")

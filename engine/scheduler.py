@@ -17,6 +17,7 @@ from typing import Literal
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.spec_decode.eligibility import can_draft
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         policy: Literal["fcfs", "priority"] = "fcfs",
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
@@ -111,6 +113,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
+        self.num_speculative_tokens = num_speculative_tokens  # 0: no speculative decoding
         self.waiting = _PriorityQueue() if policy == "priority" else _FCFSQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -120,6 +123,9 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_finished = 0
+        self.num_spec_drafts = 0  # verifications of at least one draft token
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted_tokens = 0
 
     def add_request(self, request: Request, front: bool = False) -> None:
         """Queue a request; `front` puts it ahead of the waiting ones (it arrived before them)."""
@@ -150,6 +156,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # Slots for draft tokens, filled by the proposer before the forward. They never cost another
+            # request its blocks: without room for them the request decodes plainly.
+            num_drafts = self._num_draft_slots(request, num_new, budget)
+            if num_drafts and kv.allocate_slots(request, num_new + num_drafts):
+                num_new += num_drafts
             while not kv.allocate_slots(request, num_new):
                 victim = self._choose_victim()
                 self._preempt(victim, out)
@@ -189,6 +200,15 @@ class Scheduler:
             budget -= num_new
         return out
 
+    def _num_draft_slots(self, request: Request, num_new: int, budget: int) -> int:
+        """Draft tokens a decoding request may verify this step: within the token budget, and never more
+        than max_tokens leaves room for (the step emits up to drafts + 1 tokens)."""
+        if not self.num_speculative_tokens or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return 0
+        if not can_draft(request):
+            return 0
+        return max(0, min(self.num_speculative_tokens, budget - 1, request.max_tokens - request.num_output_tokens - 1))
+
     def _choose_victim(self) -> Request:
         if self.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
@@ -216,17 +236,26 @@ class Scheduler:
         return 0
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled_token_ids: list[int | None]
+        self,
+        out: SchedulerOutput,
+        sampled_token_ids: list[int | None],
+        num_accepted_drafts: dict[int, int] | None = None,
     ) -> list[Request]:
         """Advance each scheduled request by its computed tokens and append its sampled token (None
-        for a prefill chunk that does not reach the end, or a request that failed). Returns the
-        requests that got a token, finished ones included."""
+        for a prefill chunk that does not reach the end, or a request that failed); a request that
+        verified drafts (request.spec_token_ids) first appends the accepted ones, num_accepted_drafts[j]
+        for out.requests[j]. Returns the requests that got a token, finished ones included."""
         kv = self.kv_cache_manager
         block_size = kv.block_size
         updated = []
         now = time.monotonic()
-        for request, num_tokens, token in zip(out.requests, out.num_scheduled_tokens, sampled_token_ids):
+        for j, (request, num_tokens, token) in enumerate(zip(out.requests, out.num_scheduled_tokens, sampled_token_ids)):
             if request.is_finished:  # aborted or failed while the step ran
+                request.spec_token_ids = []
+                continue
+            if request.spec_token_ids:
+                if self._update_speculative(request, token, (num_accepted_drafts or {}).get(j, 0), now):
+                    updated.append(request)
                 continue
             computed = request.num_computed_tokens + num_tokens
             request.num_computed_tokens = computed
@@ -242,8 +271,44 @@ class Scheduler:
             status = self._check_stop(request, token)
             if status is not None:
                 self._finish(request, status)
+            elif self.num_speculative_tokens:
+                kv.free_tail(request)  # draft slots the proposer found no drafts for
             updated.append(request)
         return updated
+
+    def _update_speculative(self, request: Request, token: int | None, num_accepted: int, now: float) -> bool:
+        """update_from_output for a request that verified drafts: append the accepted drafts and the
+        sampled token, up to a stop (EOS, stop token, max_tokens), and roll back the KV of the rest: the
+        computed tokens end after the last accepted draft, and blocks past the request's tokens return
+        to the pool. Rejected drafts never enter all_token_ids, so no block hash or cached block holds
+        them. Returns whether the request got tokens."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if token is None:  # the step failed for this request: nothing was computed
+            return False
+        kv = self.kv_cache_manager
+        self.num_spec_drafts += 1
+        self.num_spec_draft_tokens += len(drafts)
+        self.num_spec_accepted_tokens += num_accepted
+        old = request.num_computed_tokens
+        status = None
+        for t in drafts[:num_accepted] + [token]:
+            request.append_output_token(t)
+            self.num_generation_tokens += 1
+            status = self._check_stop(request, t)
+            if status is not None:
+                break  # tokens after a stop are dropped, as if never sampled
+        # KV exists for the last token and each accepted draft, but not past the tokens a stop kept.
+        request.num_computed_tokens = min(old + 1 + num_accepted, request.num_tokens)
+        if request.num_computed_tokens // kv.block_size != old // kv.block_size:
+            kv.cache_computed_blocks(request)  # after appending: the hashes cover the accepted drafts
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.last_token_time = now
+        if status is not None:
+            self._finish(request, status)
+        else:
+            kv.free_tail(request)
+        return True
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -21,7 +21,24 @@ class EngineStats:
     generation_tokens: int = 0
     num_requests_finished: int = 0
     num_steps: int = 0
+    # Speculative decoding: verifications of at least one draft token, the draft tokens verified, and
+    # those accepted (vLLM's spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Fraction of draft tokens the target accepted."""
+        if not self.spec_decode_num_draft_tokens:
+            return 0.0
+        return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification: the accepted drafts plus the target's own token."""
+        return 1.0 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts if self.spec_decode_num_drafts else 0.0

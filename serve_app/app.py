@@ -24,6 +24,7 @@ def build_app(args: AppArgs) -> Application:
     engine = LLMServer.options(
         **({"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": args.num_replicas}),
         max_ongoing_requests=args.max_ongoing_requests,
+        max_queued_requests=args.max_queued_requests,
         ray_actor_options=args.ray_actor_options,
         graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
         request_router_config=router_config,

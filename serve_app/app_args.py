@@ -26,6 +26,9 @@ class AppArgs(BaseModel):
     num_replicas: int = Field(1, ge=1, description="Engine replicas (LLMServer), when not autoscaling.")
     ingress_replicas: int = Field(1, ge=1, description="Ingress replicas (OpenAIIngress).")
     max_ongoing_requests: int = Field(256, ge=1, description="Requests in flight per engine replica.")
+    max_queued_requests: int = Field(
+        1024, ge=-1, description="Requests an ingress holds for busy engine replicas (all at "
+        "max_ongoing_requests) before answering 503 with Retry-After; -1: unbounded (Ray's default).")
     router: Literal["prefix", "pow2", "round_robin"] = Field(
         "prefix", description="How the ingress picks an engine replica: prefix affinity, or Ray's pow2 / round robin."
     )
@@ -38,6 +41,12 @@ class AppArgs(BaseModel):
         "`policy`, the KV/queue policy (autoscale.ray_policy:KVQueueAutoscalingPolicy) is used.",
     )
     api_keys: list[str] = Field(default_factory=list, description="If set, /v1/* requires one of them.")
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        "auto", description="How tool_choice=auto reads tool calls out of the model's text (serve_app/tool_parsers); "
+        "`auto` picks by the chat template's markers ([TOOL_CALLS]: mistral, <|python_tag|>: llama3_json, else hermes).",
+    )
+    max_request_body_bytes: int = Field(
+        8 * 2**20, ge=1024, description="Larger request bodies get 413 before they are parsed (default 8 MiB).")
     ray_actor_options: dict[str, Any] = Field(
         default_factory=lambda: {"num_cpus": 0}, description="Ray actor options of each engine replica."
     )

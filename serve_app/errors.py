@@ -8,6 +8,8 @@ import re
 from http import HTTPStatus
 
 import pydantic
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 
@@ -22,6 +24,10 @@ _TYPES = {
     500: ("server_error", "api_error"),
     503: ("service_unavailable", "overloaded_error"),
 }
+
+
+def _types(status: int) -> tuple[str, str]:
+    return _TYPES.get(status) or _TYPES[400 if 400 <= status < 500 else 500]
 
 
 class APIError(Exception):
@@ -40,11 +46,11 @@ class APIError(Exception):
         return self.message
 
     def openai_body(self) -> dict:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, _TYPES[500])[0],
-                          "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": _types(self.status)[0], "param": self.param,
+                          "code": self.code}}
 
     def anthropic_body(self) -> dict:
-        return {"type": "error", "error": {"type": _TYPES.get(self.status, _TYPES[500])[1], "message": self.message}}
+        return {"type": "error", "error": {"type": _types(self.status)[1], "message": self.message}}
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(max(1, round(self.retry_after_s)))} if self.retry_after_s is not None else {}
@@ -69,6 +75,12 @@ def from_exception(e: BaseException) -> APIError:
         return APIError(429, str(e), code="rate_limit_exceeded", retry_after_s=e.retry_after_s)
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), code="engine_dead", retry_after_s=5)
+    if isinstance(e, BackPressureError):  # every engine replica's queue is full (AppArgs.max_queued_requests)
+        return APIError(503, "the engine replicas' queues are full; retry later", code="overloaded", retry_after_s=1)
+    if isinstance(e, (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)):
+        # The replica died under this request (Ray replaces it); a retry goes to a live one.
+        return APIError(503, f"the engine replica serving this request failed ({type(e).__name__}); retry",
+                        code="replica_unavailable", retry_after_s=1)
     if isinstance(e, RequestFailedError):
         return APIError(500, str(e), code="request_failed")
     if isinstance(e, ValueError):
@@ -77,6 +89,17 @@ def from_exception(e: BaseException) -> APIError:
         code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
         return APIError(400, message, param=match.group(1) if match else None, code=code)
     return APIError(500, f"internal error: {type(e).__name__}", code="internal_error")
+
+
+# What Starlette's own errors (no route, wrong method, a body it cannot read) become.
+_HTTP_CODES = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}
+
+
+def from_http_exception(status: int, detail: str, method: str, path: str) -> APIError:
+    """The API error for an HTTPException of the framework (FastAPI/Starlette), raised before any route
+    code runs: an unknown path, a method the path does not serve, a body that is not UTF-8."""
+    message = f"malformed JSON body: {detail}" if status == 400 else f"{detail}: {method} {path}"
+    return APIError(status, message, code=_HTTP_CODES.get(status))
 
 
 def from_validation_errors(errors: list[dict]) -> APIError:

@@ -11,8 +11,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException
 
-from serve_app.errors import APIError, from_exception, from_validation_errors
+from serve_app.errors import APIError, from_exception, from_http_exception, from_validation_errors
 from serve_app.tracing import TracingMiddleware
 from serve_app.protocol.openai import (
     ChatCompletionRequest,
@@ -83,16 +84,62 @@ async def stream_response(chunks: AsyncIterator[BaseModel]) -> StreamingResponse
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+class BodySizeLimit:
+    """Refuses a request body over `limit` bytes with 413 before it is parsed: by its Content-Length, or
+    while a chunked body arrives (then the body read so far is replayed to the app)."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            if declared.isdigit() and int(declared) > self.limit:
+                return await self._reject(scope, receive, send)
+            return await self.app(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.limit:
+                return await self._reject(scope, receive, send)
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed():
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)
+
+    async def _reject(self, scope, receive, send) -> None:
+        error = APIError(413, f"the request body exceeds {self.limit} bytes (AppArgs.max_request_body_bytes)",
+                         code="request_too_large")
+        await error_response(Request(scope), error)(scope, receive, send)
+
+
 def build_http_app(ingress) -> FastAPI:
     app = FastAPI(title="pagedserve", version=VERSION,
                   description="OpenAI- and Anthropic-compatible LLM serving on Ray Serve.")
     serving = ingress.openai
     api_keys = [k.encode() for k in ingress.args.api_keys]
+    app.add_middleware(BodySizeLimit, limit=ingress.args.max_request_body_bytes)
     app.add_middleware(TracingMiddleware)  # outermost: the request span covers auth failures too
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return error_response(request, exc)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException):
+        error = from_http_exception(exc.status_code, str(exc.detail), request.method, route_path(request))
+        response = error_response(request, error)
+        response.headers.update(exc.headers or {})  # 405's Allow
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -168,7 +215,21 @@ def build_http_app(ingress) -> FastAPI:
 
     for extra in getattr(ingress, "extra_routes", ()):
         extra(app)
+    app.openapi = _without_422(app.openapi)
     return app
+
+
+def _without_422(openapi):
+    """FastAPI documents a 422 on every route with a body; invalid bodies get 400 here (OpenAI's status)."""
+
+    def schema() -> dict:
+        spec = openapi()  # FastAPI caches it: the edit below happens once
+        for operations in spec["paths"].values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        return spec
+
+    return schema
 
 
 def error_response_plain(error: APIError) -> JSONResponse:

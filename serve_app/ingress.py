@@ -41,7 +41,8 @@ class OpenAIIngress:
                                           "pagedserve.replica": _replica_id()})
         self.processor = InputProcessor.from_config(self.args.engine_config())
         self.engine = engine
-        self.openai = OpenAIServing(self.processor, self.args.name, engine.options(stream=True))
+        self.openai = OpenAIServing(self.processor, self.args.name, engine.options(stream=True),
+                                    self.args.tool_call_parser)
         self.anthropic = AnthropicServing(self.openai)
         self.extra_routes = [lambda app: add_routes(app, self.anthropic)]
 

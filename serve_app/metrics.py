@@ -22,6 +22,11 @@ _COUNTERS = {
     "prefix_cache_hits": "prefix_cache_hits",
     "prompt_tokens": "prompt_tokens",
     "generation_tokens": "generation_tokens",
+    # Speculative decoding; acceptance rate = rate(accepted_tokens) / rate(draft_tokens), and the mean
+    # tokens per verification = 1 + rate(accepted_tokens) / rate(drafts).
+    "spec_decode_num_drafts": "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -14,10 +15,12 @@ from dataclasses import dataclass, field
 from engine.block_hash import hash_block_chain
 from engine.input_processor import InputProcessor
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from serve_app import tracing
+from serve_app.chat_tools import ChoiceTools, ToolPlan, plan_tools
 from serve_app.engine_request import EngineRequest
 from serve_app.errors import APIError, from_exception
+from serve_app.formats import FormatValidator, requested_format
 from serve_app.protocol.openai import (
     ChatChoice,
     ChatChunkChoice,
@@ -38,6 +41,7 @@ from serve_app.protocol.openai import (
     Usage,
     new_id,
 )
+from serve_app.tool_parsers import get_tool_parser
 
 
 @dataclass
@@ -83,12 +87,14 @@ def _own_internal_request_id() -> None:
 
 
 class OpenAIServing:
-    def __init__(self, processor: InputProcessor, served_model_name: str, engine) -> None:
+    def __init__(self, processor: InputProcessor, served_model_name: str, engine, tool_call_parser: str = "auto") -> None:
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.model_name = served_model_name
         self.block_size = processor.config.block_size
         self.engine = engine  # DeploymentHandle to LLMServer, with stream=True
+        self.tool_parser = get_tool_parser(tool_call_parser, self.tokenizer.chat_template)
+        self.formats = FormatValidator(processor)
 
     # --- shared -------------------------------------------------------------------------------------
 
@@ -97,8 +103,18 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
+    async def structured_outputs(self, req: SamplingFields, plan: ToolPlan | None = None) -> StructuredOutputsParams | None:
+        """The format the request constrains its output to, compiled once here to reject a bad one (400)."""
+        so, param = requested_format(req)
+        if plan is not None and plan.structured_outputs is not None:
+            so, param = plan.structured_outputs, "tools"
+        if so is not None:
+            await self.formats.check(so, param)
+        return so
+
     def sampling_params(
-        self, req: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None, kind: RequestOutputKind
+        self, req: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None, kind: RequestOutputKind,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         room = self.processor.max_model_len - prompt_len
         if room < 1:
@@ -116,6 +132,7 @@ class OpenAIServing:
             "skip_special_tokens": req.skip_special_tokens, "logprobs": logprobs,
             "prompt_logprobs": req.prompt_logprobs, "max_tokens": max_tokens or room, "output_kind": kind,
             "logit_bias": {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+            "structured_outputs": structured_outputs,
         }
         optional = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
                     "repetition_penalty": req.repetition_penalty}
@@ -208,12 +225,13 @@ class OpenAIServing:
         """Validates everything first (raising APIError), then returns the response or a chunk stream."""
         self.check_model(req.model)
         prompts = self._completion_prompts(req)
+        so = await self.structured_outputs(req)
         request_id = req.request_id or new_id("cmpl")
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         echo_logprobs = req.echo and req.logprobs is not None
         requests = []
         for i, prompt in enumerate(prompts):
-            params = self.sampling_params(req, len(prompt.token_ids), req.max_tokens, req.logprobs, kind)
+            params = self.sampling_params(req, len(prompt.token_ids), req.max_tokens, req.logprobs, kind, so)
             if echo_logprobs:
                 params = params.model_copy(update={"prompt_logprobs": req.logprobs})
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
@@ -303,27 +321,30 @@ class OpenAIServing:
 
     def chat_prompt(self, req: ChatCompletionRequest) -> _Prompt:
         try:
-            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+            messages = [_template_message(m) for m in req.messages]
+            kwargs = dict(req.chat_template_kwargs or {})
+            if req.tools:
+                kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
             with tracing.span("tokenize", messages=len(messages)):
-                token_ids = self.processor.apply_chat_template(
-                    messages, req.add_generation_prompt, **(req.chat_template_kwargs or {})
-                )
+                token_ids = self.processor.apply_chat_template(messages, req.add_generation_prompt, **kwargs)
         except ValueError as e:
             raise from_exception(e) from e
         return _Prompt(token_ids, None)
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[ChatCompletionChunk]:
         self.check_model(req.model)
+        plan = plan_tools(req, self.tool_parser)
         prompt = self.chat_prompt(req)
+        so = await self.structured_outputs(req, plan)
         request_id = req.request_id or new_id("chatcmpl")
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        params = self.sampling_params(req, len(prompt.token_ids), max_tokens, logprobs, kind)
+        params = self.sampling_params(req, len(prompt.token_ids), max_tokens, logprobs, kind, so)
         engine_request = self.engine_request(request_id, prompt, params, req)
         if req.stream:
-            return self._chat_stream(req, request_id, engine_request)
-        return await self._chat_full(req, request_id, engine_request)
+            return self._chat_stream(req, request_id, engine_request, plan)
+        return await self._chat_full(req, request_id, engine_request, plan)
 
     def _chat_logprobs(self, req: ChatCompletionRequest, c: CompletionOutput) -> ChoiceLogprobs | None:
         if not req.logprobs:
@@ -339,20 +360,22 @@ class OpenAIServing:
             ))
         return ChoiceLogprobs(content=content)
 
-    async def _chat_full(self, req, request_id, engine_request) -> ChatCompletionResponse:
+    async def _chat_full(self, req, request_id, engine_request, plan: ToolPlan) -> ChatCompletionResponse:
         tally, final = _Tally(), None
         async for _, output in self._stream([engine_request]):
             tally.add(0, output)
             final = output
-        choices = [
-            ChatChoice(index=c.index, message=ResponseMessage(content=c.text), logprobs=self._chat_logprobs(req, c),
-                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-            for c in final.outputs
-        ]
+        choices = []
+        for c in final.outputs:
+            content, tool_calls, finish_reason = ChoiceTools(plan).final(c.text, c.finish_reason)
+            choices.append(ChatChoice(index=c.index, message=ResponseMessage(content=content, tool_calls=tool_calls),
+                                      logprobs=self._chat_logprobs(req, c), finish_reason=finish_reason,
+                                      stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=tally.usage())
 
-    async def _chat_stream(self, req, request_id, engine_request) -> AsyncIterator[ChatCompletionChunk]:
+    async def _chat_stream(self, req, request_id, engine_request, plan: ToolPlan) -> AsyncIterator[ChatCompletionChunk]:
         tally = _Tally()
+        tools = [ChoiceTools(plan) for _ in range(req.n)]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
         first = True
@@ -363,15 +386,40 @@ class OpenAIServing:
                     ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(req.n)
                 ])
             tally.add(0, output)
-            choices = [
-                ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.text or None),
-                                logprobs=self._chat_logprobs(req, c), finish_reason=c.finish_reason,
-                                stop_reason=c.stop_reason)
-                for c in output.outputs
-                if c.text or c.finish_reason or (req.logprobs and c.token_ids)
-            ]
+            choices = []
+            for c in output.outputs:
+                content, tool_calls, finish_reason = tools[c.index].delta(c.text, c.finish_reason)
+                if content or tool_calls or finish_reason or (req.logprobs and c.token_ids):
+                    choices.append(ChatChunkChoice(
+                        index=c.index, delta=DeltaMessage(content=content, tool_calls=tool_calls),
+                        logprobs=self._chat_logprobs(req, c), finish_reason=finish_reason, stop_reason=c.stop_reason,
+                    ))
             if choices:
                 yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices,
                                           usage=tally.usage() if continuous else None)
         if include_usage:
             yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=tally.usage())
+
+
+def _template_message(m) -> dict:
+    """A chat message as chat templates expect it: tool calls' arguments as objects (Hugging Face's
+    convention; OpenAI sends JSON text), tool results with their call's id."""
+    message = {"role": m.role, "content": m.text()}
+    if m.name:
+        message["name"] = m.name
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        message["tool_calls"] = [_with_parsed_arguments(c) for c in m.tool_calls]
+    return message
+
+
+def _with_parsed_arguments(call: dict) -> dict:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -45,17 +45,33 @@ BUILTIN_MODELS: dict[str, dict] = {
     },
 }
 
-# Mistral's [INST] format. `tools` and tool messages arrive with the tool-calling issue.
+# Mistral's [INST] format, with its v3 tool calling: the tools' definitions before the last user message,
+# an assistant's calls as `[TOOL_CALLS] [{"name": ..., "arguments": {...}}]`, and each tool's result as
+# `[TOOL_RESULTS] {"call_id": ..., "content": ...}[/TOOL_RESULTS]` (what serve_app's `mistral` tool
+# parser reads back). Arguments may come as an object or as OpenAI's JSON string.
 CHAT_TEMPLATE = (
     "{{- bos_token }}"
     "{%- if messages and messages[0]['role'] == 'system' %}"
     "{%- set system = messages[0]['content'] %}{%- set loop_messages = messages[1:] %}"
     "{%- else %}{%- set system = none %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for message in loop_messages %}{%- if message['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
     "{%- for message in loop_messages %}"
     "{%- if message['role'] == 'user' %}"
+    "{%- if tools and loop.index0 == ns.last_user %}{{ '[AVAILABLE_TOOLS] ' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}"
+    "{%- endif %}"
     "{%- if loop.first and system %}{{ '[INST] ' + system + '\\n\\n' + message['content'] + ' [/INST]' }}"
     "{%- else %}{{ '[INST] ' + message['content'] + ' [/INST]' }}{%- endif %}"
-    "{%- elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}{{ '[TOOL_CALLS] [' }}"
+    "{%- for call in message['tool_calls'] %}{%- set args = call['function']['arguments'] %}"
+    "{{ '{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' }}"
+    "{{- (args if args is string else (args | tojson)) + '}' }}{{ ', ' if not loop.last }}"
+    "{%- endfor %}{{ ']' + eos_token }}"
+    "{%- elif message['role'] == 'assistant' %}{{ (message['content'] or '') + eos_token }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{ '[TOOL_RESULTS] ' + ({'call_id': message.get('tool_call_id'), 'content': message['content']} | tojson) }}"
+    "{{- '[/TOOL_RESULTS]' }}"
     "{%- endif %}"
     "{%- endfor %}"
 )
@@ -71,6 +87,9 @@ _TOKENIZER_CONFIG = {
     "chat_template": CHAT_TEMPLATE,
 }
 _FORMAT_VERSION = 1  # bump when the files written below change
+# Seeds of the random weights, fixed per model so that the files around them (the chat template, the
+# tokenizer's config) can change without changing the weights. A model not listed seeds from its spec.
+_WEIGHT_SEEDS = {"pagedserve-tiny": 0x24A9A3D7, "pagedserve-56m": 0x7BED96D1}
 
 
 def cache_root() -> Path:
@@ -86,7 +105,8 @@ def materialize_builtin(name: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=path.parent))
     try:
-        write_checkpoint(tmp, spec, seed=int(digest.hexdigest()[:8], 16))
+        seed = _WEIGHT_SEEDS.get(name) or int(hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:8], 16)
+        write_checkpoint(tmp, spec, seed=seed)
         try:
             os.rename(tmp, path)  # atomic: concurrent replicas either win or find it done
         except OSError:

@@ -20,7 +20,7 @@ class _Request(BaseModel):
 
 
 class TextBlockParam(_Request):
-    type: Literal["text"] = "text"
+    type: Literal["text"]  # required, as Anthropic's: the schema must not promise that a block without it works
     text: str
 
 

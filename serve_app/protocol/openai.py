@@ -9,7 +9,10 @@ import time
 import uuid
 from typing import Any, Literal
 
+import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.sampling_params import StructuredOutputsParams
 
 # Request limits (documented defaults; a request beyond them gets a 400 naming the field).
 MAX_N = 16
@@ -25,6 +28,63 @@ class _Request(BaseModel):
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+# --- structured outputs and tool calling (requests) -------------------------------------------------
+
+
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format: type json_schema needs json_schema.schema, the JSON schema")
+        return self
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _check_parameters(cls, value):
+        if value is not None:
+            try:
+                jsonschema.validators.validator_for(value).check_schema(value)
+            except jsonschema.SchemaError as e:
+                where = "/".join(map(str, e.absolute_path)) or "the root"
+                raise ValueError(f"not a valid JSON schema at {where}: {e.message}") from None
+        return value
+
+
+class ChatTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class SamplingFields(_Request):
@@ -55,6 +115,9 @@ class SamplingFields(_Request):
     priority: int = 0
     cache_salt: str | None = Field(None, max_length=256)
     request_id: str | None = Field(None, max_length=128)
+    # structured outputs: OpenAI's response_format, or vLLM's structured_outputs (json, regex, choice, grammar)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     @field_validator("stop")
     @classmethod
@@ -122,6 +185,10 @@ class ChatCompletionRequest(SamplingFields):
     echo: bool = False
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # tool calling
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -188,9 +255,33 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -214,6 +305,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -199,6 +199,15 @@ def test_openapi_describes_messages(serve_app_url):
     assert "max_tokens" in spec["components"]["schemas"]["MessagesRequest"]["required"]
 
 
+def test_openapi_requires_the_type_of_a_text_block(serve_app_url):
+    # Found by benchmarks/fuzz.py: the schema called a block's `type` optional, the route rejects a block
+    # without it (as Anthropic does); the schema now says so.
+    spec = httpx.get(serve_app_url + "/openapi.json").json()
+    assert spec["components"]["schemas"]["TextBlockParam"]["required"] == ["type", "text"]
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"text": "hi"}]}]}
+    assert "messages.0.content" in _error(httpx.post(serve_app_url + "/v1/messages", json=body), 400, "invalid_request_error")
+
+
 def test_disconnect_mid_stream_aborts(serve_app_url, engine_handle):
     from tests.serve_app.conftest import wait_for
 

@@ -65,6 +65,39 @@ def test_malformed_json_and_non_object_body(serve_app_url):
     _error(httpx.post(serve_app_url + "/v1/chat/completions", content=b"[1, 2]", headers=headers), 400)
 
 
+def test_framework_errors_carry_the_error_object(serve_app_url):
+    # Found by benchmarks/fuzz.py: Starlette's own answers (no such route, a method the route does not
+    # serve, a body that is not UTF-8) were FastAPI's {"detail": ...}.
+    error = _error(httpx.get(serve_app_url + "/v1/unknown"), 404)
+    assert error["type"] == "not_found_error" and error["code"] == "not_found" and "/v1/unknown" in error["message"]
+    r = httpx.put(serve_app_url + "/v1/completions", json={})
+    assert _error(r, 405)["code"] == "method_not_allowed" and r.headers["Allow"] == "POST"
+    headers = {"content-type": "application/json"}
+    error = _error(httpx.post(serve_app_url + "/tokenize", content=b"\xff\xfe{", headers=headers), 400)
+    assert error["code"] == "invalid_json"
+    for r in (httpx.get(serve_app_url + "/v1/messages"),
+              httpx.post(serve_app_url + "/v1/messages", content=b"\xff", headers=headers)):
+        assert r.status_code in (400, 405)
+        assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": r.json()["error"]["message"]}}
+
+
+def test_oversized_bodies_are_413_before_parsing(serve_app_url):
+    big = b'{"prompt": "' + b"x" * (8 * 2**20) + b'"}'  # AppArgs.max_request_body_bytes: 8 MiB
+    headers = {"content-type": "application/json"}
+    error = _error(httpx.post(serve_app_url + "/v1/completions", content=big, headers=headers), 413)
+    assert error["code"] == "request_too_large"
+
+    def chunked():  # no Content-Length: counted as it arrives
+        for i in range(0, len(big), 2**20):
+            yield big[i:i + 2**20]
+
+    _error(httpx.post(serve_app_url + "/v1/completions", content=chunked(), headers=headers), 413)
+    r = httpx.post(serve_app_url + "/v1/messages", content=big, headers=headers)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+    small = iter([b'{"prompt": "hi", ', b'"max_tokens": 2}'])  # a chunked body under the limit still works
+    assert httpx.post(serve_app_url + "/v1/completions", content=small, headers=headers).status_code == 200
+
+
 def test_unknown_model_is_404(serve_app_url):
     error = _error(httpx.post(serve_app_url + "/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, "model")
     assert error["code"] == "model_not_found"

@@ -158,3 +158,5 @@ def test_openapi_describes_every_route(serve_app_url):
     spec = httpx.get(serve_app_url + "/openapi.json").json()
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/version"):
         assert path in spec["paths"], path
+    bad_body = spec["paths"]["/v1/completions"]["post"]["responses"]
+    assert "400" in bad_body and "422" not in bad_body  # invalid bodies are 400, as OpenAI answers

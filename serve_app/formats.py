@@ -1,0 +1,67 @@
+"""Structured outputs at the ingress: the format a request asks for (OpenAI's response_format, vLLM's
+structured_outputs, or a tool_choice that forces a call) as the engine's StructuredOutputsParams, and
+its validation with the model's tokenizer, so that a bad schema, regex or grammar is a 400 naming its
+field before anything reaches a replica. The compile attempt is the same one a replica makes (cached
+by the format's text here too, and run on a worker thread: a big schema never blocks the event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from engine.input_processor import InputProcessor
+from engine.sampling_params import StructuredOutputsParams
+from engine.structured_output import GrammarCompiler
+from serve_app.errors import APIError
+from serve_app.protocol.openai import SamplingFields
+
+
+def requested_format(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str]:
+    """The format `req` asks for, and the request field that asked (for errors)."""
+    fmt = req.response_format if req.response_format is not None and req.response_format.type != "text" else None
+    if fmt is not None and req.structured_outputs is not None:
+        raise APIError(400, "response_format: give either response_format or structured_outputs, not both",
+                       param="response_format", code="invalid_value")
+    if req.structured_outputs is not None:
+        return req.structured_outputs, "structured_outputs"
+    if fmt is None:
+        return None, "response_format"
+    try:
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        return StructuredOutputsParams(json=fmt.json_schema.schema_), "response_format"
+    except ValueError as e:
+        raise _named(e, "response_format") from None
+
+
+def _named(e: Exception, param: str) -> APIError:
+    message = str(e).splitlines()[0] if not hasattr(e, "errors") else str(e.errors()[0]["msg"])
+    message = message.removeprefix("Value error, ").removeprefix("structured_outputs: ")
+    return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+class FormatValidator:
+    """Compiles formats with the model's tokenizer (what a replica will do) to find bad ones early."""
+
+    def __init__(self, processor: InputProcessor) -> None:
+        self._processor = processor
+        self._compiler: GrammarCompiler | None = None  # built on the first structured request
+        self._lock = threading.Lock()
+
+    def _compile(self, params: StructuredOutputsParams) -> None:
+        with self._lock:
+            if self._compiler is None:
+                cfg, tokenizer = self._processor.model_config, self._processor.tokenizer
+                stop = cfg.eos_token_ids or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+                self._compiler = GrammarCompiler(tokenizer, cfg.vocab_size, stop)
+        self._compiler.compile(params)
+
+    async def check(self, params: StructuredOutputsParams, param: str) -> None:
+        """Raises a 400 naming `param` when the format does not compile."""
+        compiler = self._compiler
+        if compiler is not None and compiler.cached(params) is not None:
+            return
+        try:
+            await asyncio.to_thread(self._compile, params)
+        except ValueError as e:
+            raise _named(e, param) from None
