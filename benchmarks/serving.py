@@ -152,15 +152,36 @@ def bench_serve(args, requests, tracing: dict | None = None, name: str = "Ray Se
             return await run_open_loop(requests, lambda p, m: send_http(client, url, args.model, p, m))
 
     try:
+        cpu_before = serving_cpu_seconds()
         results, duration = asyncio.run(go())
+        cpu = serving_cpu_seconds() - cpu_before
     finally:
         serve.shutdown()
         ray.shutdown()
-    return summarize(name, results, duration)
+    return {**summarize(name, results, duration), "cpu_ms_per_request": cpu / len(results) * 1e3}
+
+
+def serving_cpu_seconds() -> float:
+    """CPU time used so far by the app's processes: the HTTP proxy, the replicas and their engine loops.
+    On a saturated machine throughput is noisy; the CPU each request costs is the steadier measure."""
+    import psutil
+
+    total = 0.0
+    for p in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(p.info["cmdline"] or ())
+        if "ServeReplica:bench" in cmdline or "ProxyActor" in cmdline:
+            try:
+                for q in [p, *p.children(recursive=True)]:
+                    t = q.cpu_times()
+                    total += t.user + t.system
+            except psutil.Error:
+                pass
+    return total
 
 
 def compare_tracing(args, requests) -> None:
-    """Off and on alternate, `--rounds` times each, so that drift in the machine's load hits both."""
+    """Off and on alternate, `--rounds` times each, in ABBA order (off-on, on-off, ...), so that drift in
+    the machine's load, and whatever a run leaves behind for the next, hits both alike."""
     from benchmarks.otlp_receiver import OTLPReceiver
 
     receiver = OTLPReceiver(keep=False)
@@ -168,23 +189,26 @@ def compare_tracing(args, requests) -> None:
     off, on = [], []
     try:
         for i in range(args.rounds):
-            off.append(bench_serve(args, requests, name=f"tracing off, round {i + 1}"))
-            on.append(bench_serve(args, requests, name=f"tracing on (OTLP/HTTP to a local receiver), round {i + 1}",
-                                  tracing=otlp))
+            runs = [(off, f"tracing off, round {i + 1}", None),
+                    (on, f"tracing on (OTLP/HTTP to a local receiver), round {i + 1}", otlp)]
+            for results, name, tracing in runs[:: 1 if i % 2 == 0 else -1]:
+                results.append(bench_serve(args, requests, name=name, tracing=tracing))
     finally:
         receiver.stop()
     print()
-    print("| Serve app | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | TPOT mean ms |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| Serve app | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | TPOT mean ms | app CPU ms / request |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in (r for pair in zip(off, on) for r in pair):
         print(f"| {r['system']} | {r['throughput']:.0f} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {r['itl_p50']:.1f} | "
-              f"{r['tpot_mean']:.1f} |")
+              f"{r['tpot_mean']:.1f} | {r['cpu_ms_per_request']:.0f} |")
     print()
     print(f"spans received: {receiver.num_spans} ({len(on)} x {len(requests) + 1} traced requests)")
     rounds = ", ".join(f"{b['throughput'] / a['throughput']:.3f}" for a, b in zip(off, on))
     total = sum(r["tokens"] for r in on) / sum(r["duration"] for r in on)
     total /= sum(r["tokens"] for r in off) / sum(r["duration"] for r in off)
     print(f"output throughput, tracing on / off: {total:.3f} over all rounds (per round: {rounds}; target >= 0.97)")
+    cpu_on, cpu_off = (statistics.fmean(r["cpu_ms_per_request"] for r in rs) for rs in (on, off))
+    print(f"app CPU per request, tracing on / off: {cpu_on:.0f} / {cpu_off:.0f} ms ({cpu_on / cpu_off:.3f})")
 
 
 def main() -> None:
