@@ -30,6 +30,13 @@ class PreparedRequest:
     cache_salt: str | None
 
 
+def resolve_eos_token_ids(model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The tokens that end a generation: the model's generation config, else the tokenizer's EOS."""
+    if model_config.eos_token_ids:
+        return frozenset(model_config.eos_token_ids)
+    return frozenset([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+
+
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
     limit = model_config.max_position_embeddings
     if model_config.sliding_window:  # we attend over the full context: exact only within the window

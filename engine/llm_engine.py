@@ -14,7 +14,7 @@ import torch
 from engine.block_hash import short_hash
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
-from engine.input_processor import InputProcessor, PreparedRequest, resolve_max_model_len
+from engine.input_processor import InputProcessor, PreparedRequest, resolve_eos_token_ids, resolve_max_model_len
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import LogprobEntry, ModelRunner, ModelRunnerOutput
 from engine.models.config import ModelConfig
@@ -51,10 +51,7 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         self.max_num_batched_tokens = self._resolve_max_num_batched_tokens()
         self.tokenizer = load_tokenizer(config.tokenizer or path, config.revision if config.tokenizer else None)
-        self.eos_token_ids = frozenset(
-            self.model_config.eos_token_ids
-            or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
-        )
+        self.eos_token_ids = resolve_eos_token_ids(self.model_config, self.tokenizer)
         self.model_runner = ModelRunner(config, self.model_config, path, self.dtype, self.device, self.max_model_len)
         num_blocks = self.model_runner.num_blocks
         if (num_blocks - 1) * config.block_size < self.max_model_len:

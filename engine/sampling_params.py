@@ -26,6 +26,16 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = "final_only"  # one output, when the request finishes
 
 
+def check_json_schema(schema: Any) -> None:
+    """Raises ValueError when `schema` is not valid against its own meta-schema (for structured outputs
+    and tool parameters alike)."""
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(map(str, e.absolute_path)) or "the root"
+        raise ValueError(f"not a valid JSON schema at {where}: {e.message}") from None
+
+
 class StructuredOutputsParams(BaseModel):
     """Constrain the output to a format (vLLM's names): exactly one of a JSON schema, any JSON object, a
     regular expression, one of a list of strings, or an EBNF grammar (xgrammar's dialect, GBNF-like).
@@ -55,10 +65,9 @@ class StructuredOutputsParams(BaseModel):
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("structured_outputs: json must be a JSON schema: an object (or true/false)")
             try:
-                jsonschema.validators.validator_for(schema).check_schema(schema)
-            except jsonschema.SchemaError as e:
-                where = "/".join(map(str, e.absolute_path)) or "the root"
-                raise ValueError(f"structured_outputs: json is not a valid JSON schema at {where}: {e.message}") from None
+                check_json_schema(schema)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs: json is {e}") from None
         elif kind == "choice" and not self.choice:
             raise ValueError("structured_outputs: choice must list at least one string")
         elif kind in ("regex", "grammar") and not text:

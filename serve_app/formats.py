@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from engine.input_processor import InputProcessor
+from engine.input_processor import InputProcessor, resolve_eos_token_ids
 from engine.sampling_params import StructuredOutputsParams
 from engine.structured_output import GrammarCompiler
 from serve_app.errors import APIError
@@ -51,9 +51,9 @@ class FormatValidator:
     def _compile(self, params: StructuredOutputsParams) -> None:
         with self._lock:
             if self._compiler is None:
-                cfg, tokenizer = self._processor.model_config, self._processor.tokenizer
-                stop = cfg.eos_token_ids or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-                self._compiler = GrammarCompiler(tokenizer, cfg.vocab_size, stop)
+                p = self._processor
+                stop = resolve_eos_token_ids(p.model_config, p.tokenizer)  # as the replica's engine: same grammar
+                self._compiler = GrammarCompiler(p.tokenizer, p.model_config.vocab_size, stop)
         self._compiler.compile(params)
 
     async def check(self, params: StructuredOutputsParams, param: str) -> None:

@@ -9,16 +9,15 @@ import time
 import uuid
 from typing import Any, Literal
 
-import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.sampling_params import StructuredOutputsParams
+from engine.sampling_params import MAX_LOGPROBS, StructuredOutputsParams, check_json_schema
 
-# Request limits (documented defaults; a request beyond them gets a 400 naming the field).
+# Request limits (documented defaults; a request beyond them gets a 400 naming the field). The engine's
+# own, such as MAX_LOGPROBS, come from engine.sampling_params.
 MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LENGTH = 256
-MAX_LOGPROBS = 20
 
 
 class _Request(BaseModel):
@@ -65,11 +64,7 @@ class FunctionDefinition(_Request):
     @classmethod
     def _check_parameters(cls, value):
         if value is not None:
-            try:
-                jsonschema.validators.validator_for(value).check_schema(value)
-            except jsonschema.SchemaError as e:
-                where = "/".join(map(str, e.absolute_path)) or "the root"
-                raise ValueError(f"not a valid JSON schema at {where}: {e.message}") from None
+            check_json_schema(value)
         return value
 
 
