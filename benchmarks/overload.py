@@ -29,10 +29,13 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.*` importable
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import live_app
+
 ENGINE = {"max_model_len": 1024, "num_kv_blocks": 1024, "max_num_seqs": 32, "num_threads": 1}
 BOUNDED = {"engine": {**ENGINE, "max_waiting_requests": 32}, "max_queued_requests": 64}
 UNBOUNDED = {"engine": ENGINE, "max_queued_requests": -1}
 MAX_TOKENS = 64
+APP = "overload"
 
 
 @dataclass
@@ -99,7 +102,8 @@ async def open_loop(url: str, rate: float, duration: float) -> list[Outcome]:
 
 
 class ReplicaMemory:
-    """Peak resident memory of the engine replicas (their actor processes and engine-loop children)."""
+    """Peak resident memory of the engine replicas (their actor processes and engine-loop children),
+    sampled every half second."""
 
     def __init__(self) -> None:
         self.peak_mb = 0.0
@@ -109,25 +113,15 @@ class ReplicaMemory:
 
     def _run(self) -> None:
         while not self._stop.wait(0.5):
-            total = 0
-            for p in psutil.process_iter(["cmdline"]):
-                if any("LLMServer" in part for part in p.info["cmdline"] or ()):
-                    try:
-                        total += p.memory_info().rss + sum(c.memory_info().rss for c in p.children(recursive=True))
-                    except psutil.Error:
-                        pass
-            self.peak_mb = max(self.peak_mb, total / 2**20)
+            try:
+                self.peak_mb = max(self.peak_mb, sum(live_app.engine_rss(APP).values()) / 2**20)
+            except psutil.Error:  # a replica process went away between listing and reading it
+                pass
 
     def stop(self) -> float:
         self._stop.set()
         self._thread.join()
         return self.peak_mb
-
-
-def replica_names() -> list[str]:
-    import ray
-
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#LLMServer#" in a["name"])
 
 
 def run_setting(args, name: str, app_args: dict, rate: float | None) -> tuple[dict, float]:
@@ -139,7 +133,7 @@ def run_setting(args, name: str, app_args: dict, rate: float | None) -> tuple[di
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    serve.run(build_app(AppArgs(model=args.model, num_replicas=2, **app_args)), name="overload", route_prefix="/")
+    serve.run(build_app(AppArgs(model=args.model, num_replicas=2, **app_args)), name=APP, route_prefix="/")
     url = f"http://127.0.0.1:{args.port}"
     try:
         asyncio.run(capacity(url, 4, 8))  # warm-up
@@ -147,13 +141,13 @@ def run_setting(args, name: str, app_args: dict, rate: float | None) -> tuple[di
             cap = asyncio.run(capacity(url, 2 * ENGINE["max_num_seqs"], 4 * ENGINE["max_num_seqs"]))
             rate = args.factor * cap
             print(f"capacity: {cap:.1f} requests/s; offering {rate:.1f} requests/s", flush=True)
-        before = replica_names()
+        before = live_app.replicas(APP)
         memory = ReplicaMemory()
         start = time.perf_counter()
         outcomes = asyncio.run(open_loop(url, rate, args.duration))
         wall = time.perf_counter() - start
         peak = memory.stop()
-        restarted = before != replica_names()
+        restarted = bool(live_app.restarts(before, live_app.replicas(APP)))
     finally:
         serve.shutdown()
         ray.shutdown()
