@@ -60,7 +60,7 @@ class LLMServer:
         this caps the replica's message rate whatever the load: a lone stream still gets every step's
         tokens, many streams get theirs a few steps at a time. Cancellation (the caller went away)
         aborts the request and frees its KV blocks."""
-        trace = _RequestTrace(self, request) if self.tracer is not None else None
+        request_trace = _RequestTrace(self, request) if self.tracer is not None else None
         try:
             async for output in self.llm.generate(
                 request.prompt_token_ids,
@@ -70,18 +70,18 @@ class LLMServer:
                 cache_salt=request.cache_salt,
             ):
                 self.metrics.observe(output)
-                if trace is not None:
-                    trace.observe(output)
+                if request_trace is not None:
+                    request_trace.observe(output)
                 yield output
                 if self.stream_messages_per_s and not output.finished:
                     await asyncio.sleep(min(_MAX_STREAM_REST_S, self.llm.num_in_flight / self.stream_messages_per_s))
         except BaseException as e:
-            if trace is not None:
-                trace.failed(e)
+            if request_trace is not None:
+                request_trace.failed(e)
             raise
         finally:
-            if trace is not None:
-                trace.end()
+            if request_trace is not None:
+                request_trace.end()
 
     def stats(self) -> EngineStats:
         return self.llm.stats
@@ -145,6 +145,7 @@ class _RequestTrace:
         self.last: RequestOutput | None = None
         self.finish_reasons: dict[int, str] = {}
         self.text: dict[int, str] = {}
+        self.record_content = tracing.config().record_content
         self.time_in_model_execute = 0.0
 
     def observe(self, output: RequestOutput) -> None:
@@ -155,7 +156,7 @@ class _RequestTrace:
         for c in output.outputs:
             if c.finish_reason is not None:
                 self.finish_reasons[c.index] = c.finish_reason
-            if tracing.config().record_content:
+            if self.record_content:
                 self.text[c.index] = self.text.get(c.index, "") + c.text
 
     def _step_span(self, step: StepTiming) -> None:
@@ -194,7 +195,7 @@ class _RequestTrace:
         if out is not None:
             span.set_attribute("gen_ai.usage.cache_read_input_tokens", out.num_cached_tokens)
         span.set_attribute("gen_ai.response.finish_reasons", [self.finish_reasons[i] for i in sorted(self.finish_reasons)])
-        if tracing.config().record_content:
+        if self.record_content:
             prompt = self.server.llm.tokenizer.decode(self.request.prompt_token_ids)
             span.set_attributes({"gen_ai.prompt": prompt, "gen_ai.completion": [self.text[i] for i in sorted(self.text)]})
         span.end()
