@@ -73,10 +73,10 @@ def test_a_request_without_traceparent_starts_a_trace(traced):
     before = {s.trace_id for s in receiver.spans}
     httpx.post(url + "/v1/completions", json={"prompt": "new", "max_tokens": 2}, timeout=60)
 
-    def new_trace():
+    def new_trace():  # both processes' spans: they export independently, either may come first
         fresh = [s for s in receiver.spans if s.trace_id not in before and s.name == "llm_request"]
-        return fresh[0] if fresh else None
+        servers = [s for s in receiver.trace(fresh[0].trace_id) if s.name == "POST /v1/completions"] if fresh else []
+        return (fresh[0], servers[0]) if servers else None
 
-    llm = wait_for(new_trace, timeout=30, interval=0.1)
-    server = next(s for s in receiver.trace(llm.trace_id) if s.name == "POST /v1/completions")
+    llm, server = wait_for(new_trace, timeout=30, interval=0.1)
     assert server.parent_span_id == "" and llm.parent_span_id == server.span_id
