@@ -1,8 +1,11 @@
 """A minimal OTLP/HTTP trace receiver (POST /v1/traces, protobuf bodies) on a local port: the end-to-end
-tracing test decodes what the app exports with it, and the tracing benchmark exports to it."""
+tracing test decodes what the app exports with it. The tracing benchmark runs it as its own process
+(`python -m benchmarks.otlp_receiver`), counting spans only, so that receiving costs the load
+generator no GIL time; a GET answers the number of spans received."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -46,6 +49,13 @@ class OTLPReceiver:
                 self.send_header("content-type", "application/x-protobuf")
                 self.end_headers()
 
+            def do_GET(self) -> None:  # noqa: N802
+                body = str(receiver.num_spans).encode()
+                self.send_response(200)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
             def log_message(self, *args) -> None:
                 pass
 
@@ -56,6 +66,10 @@ class OTLPReceiver:
 
     def _receive(self, body: bytes) -> None:
         request = ExportTraceServiceRequest.FromString(body)
+        if not self._keep:
+            with self._lock:
+                self.num_spans += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+            return
         spans = []
         for rs in request.resource_spans:
             resource = {a.key: _value(a.value) for a in rs.resource.attributes}
@@ -68,8 +82,7 @@ class OTLPReceiver:
                     ))
         with self._lock:
             self.num_spans += len(spans)
-            if self._keep:
-                self.spans.extend(spans)
+            self.spans.extend(spans)
 
     def trace(self, trace_id: str) -> list[ReceivedSpan]:
         with self._lock:
@@ -77,3 +90,9 @@ class OTLPReceiver:
 
     def stop(self) -> None:
         self._server.shutdown()
+
+
+if __name__ == "__main__":
+    receiver = OTLPReceiver(keep=False)
+    print(receiver.endpoint, flush=True)
+    sys.stdin.read()  # until the parent closes our stdin (or exits)

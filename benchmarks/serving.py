@@ -17,16 +17,16 @@ import asyncio
 import json
 import random
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import numpy as np
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks.*` importable
-    import sys
-    from pathlib import Path
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import AsyncLLM, EngineConfig, SamplingParams
@@ -154,38 +154,47 @@ def bench_serve(args, requests, tracing: dict | None = None, name: str = "Ray Se
     try:
         cpu_before = serving_cpu_seconds()
         results, duration = asyncio.run(go())
-        cpu = serving_cpu_seconds() - cpu_before
+        cpu_after = serving_cpu_seconds()
     finally:
         serve.shutdown()
         ray.shutdown()
-    return {**summarize(name, results, duration), "cpu_ms_per_request": cpu / len(results) * 1e3}
+    cpu = {role: (cpu_after[role] - cpu_before.get(role, 0.0)) / len(results) * 1e3 for role in cpu_after}
+    return {**summarize(name, results, duration), "cpu_ms_per_request": sum(cpu.values()), "cpu_ms_by_role": cpu}
 
 
-def serving_cpu_seconds() -> float:
-    """CPU time used so far by the app's processes: the HTTP proxy, the replicas and their engine loops.
-    On a saturated machine throughput is noisy; the CPU each request costs is the steadier measure."""
+_ROLES = {"ProxyActor": "proxy", "OpenAIIngress": "ingress", "LLMServer": "replica"}
+
+
+def serving_cpu_seconds() -> dict[str, float]:
+    """CPU time used so far by the app's processes, by role: the HTTP proxy, the ingress, the engine
+    replica's actor and its engine-core process. On a saturated machine throughput is noisy; the CPU
+    each request costs is the steadier measure, and the roles say where a difference lands."""
     import psutil
 
-    total = 0.0
+    total: dict[str, float] = {}
     for p in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(p.info["cmdline"] or ())
-        if "ServeReplica:bench" in cmdline or "ProxyActor" in cmdline:
-            try:
-                for q in [p, *p.children(recursive=True)]:
-                    t = q.cpu_times()
-                    total += t.user + t.system
-            except psutil.Error:
-                pass
+        role = next((r for key, r in _ROLES.items() if key in cmdline), None)
+        if role is None or ("ServeReplica:bench" not in cmdline and role != "proxy"):
+            continue
+        try:
+            for q in [p, *p.children(recursive=True)]:
+                t = q.cpu_times()
+                key = role if q is p else "engine core"
+                total[key] = total.get(key, 0.0) + t.user + t.system
+        except psutil.Error:
+            pass
     return total
 
 
 def compare_tracing(args, requests) -> None:
     """Off and on alternate, `--rounds` times each, in ABBA order (off-on, on-off, ...), so that drift in
-    the machine's load, and whatever a run leaves behind for the next, hits both alike."""
-    from benchmarks.otlp_receiver import OTLPReceiver
-
-    receiver = OTLPReceiver(keep=False)
-    otlp = {"exporter": "otlp", "protocol": "http/protobuf", "endpoint": receiver.endpoint}
+    the machine's load, and whatever a run leaves behind for the next, hits both alike. The receiver is
+    a process of its own, as a collector would be."""
+    receiver = subprocess.Popen([sys.executable, "-m", "benchmarks.otlp_receiver"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    endpoint = receiver.stdout.readline().strip()
+    otlp = {"exporter": "otlp", "protocol": "http/protobuf", "endpoint": endpoint}
     off, on = [], []
     try:
         for i in range(args.rounds):
@@ -193,8 +202,11 @@ def compare_tracing(args, requests) -> None:
                     (on, f"tracing on (OTLP/HTTP to a local receiver), round {i + 1}", otlp)]
             for results, name, tracing in runs[:: 1 if i % 2 == 0 else -1]:
                 results.append(bench_serve(args, requests, name=name, tracing=tracing))
+        num_spans = int(httpx.get(endpoint).text)
     finally:
-        receiver.stop()
+        receiver.stdin.close()
+        receiver.wait(timeout=10)
+    roles = sorted({role for r in off + on for role in r["cpu_ms_by_role"]})
     print()
     print("| Serve app | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | TPOT mean ms | app CPU ms / request |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -202,13 +214,16 @@ def compare_tracing(args, requests) -> None:
         print(f"| {r['system']} | {r['throughput']:.0f} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {r['itl_p50']:.1f} | "
               f"{r['tpot_mean']:.1f} | {r['cpu_ms_per_request']:.0f} |")
     print()
-    print(f"spans received: {receiver.num_spans} ({len(on)} x {len(requests) + 1} traced requests)")
+    print(f"spans received: {num_spans} ({len(on)} x {len(requests) + 1} traced requests)")
     rounds = ", ".join(f"{b['throughput'] / a['throughput']:.3f}" for a, b in zip(off, on))
     total = sum(r["tokens"] for r in on) / sum(r["duration"] for r in on)
     total /= sum(r["tokens"] for r in off) / sum(r["duration"] for r in off)
     print(f"output throughput, tracing on / off: {total:.3f} over all rounds (per round: {rounds}; target >= 0.97)")
     cpu_on, cpu_off = (statistics.fmean(r["cpu_ms_per_request"] for r in rs) for rs in (on, off))
-    print(f"app CPU per request, tracing on / off: {cpu_on:.0f} / {cpu_off:.0f} ms ({cpu_on / cpu_off:.3f})")
+    print(f"app CPU per request, tracing on / off: {cpu_on:.1f} / {cpu_off:.1f} ms ({cpu_on / cpu_off:.3f})")
+    for role in roles:
+        role_on, role_off = (statistics.fmean(r["cpu_ms_by_role"].get(role, 0.0) for r in rs) for rs in (on, off))
+        print(f"  {role}: {role_on:.1f} / {role_off:.1f} ms ({role_on - role_off:+.1f})")
 
 
 def main() -> None:

@@ -19,13 +19,13 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from engine.input_processor import InputProcessor
+from serve_app import tracing
 from serve_app.anthropic_serving import AnthropicServing, add_routes
 from serve_app.app_args import AppArgs
 from serve_app.http_api import build_http_app
 from serve_app.openai_serving import OpenAIServing
 from serve_app.protocol.anthropic import MessagesRequest
 from serve_app.protocol.openai import ChatCompletionRequest, CompletionRequest
-from serve_app.tracing import handle_span, setup_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +37,8 @@ _HEALTH_TIMEOUT_S = 5.0
 class OpenAIIngress:
     def __init__(self, engine: DeploymentHandle, args: dict) -> None:
         self.args = AppArgs.model_validate(args)
-        setup_tracing(self.args.tracing, {"pagedserve.component": "ingress", "gen_ai.request.model": self.args.name,
-                                          "pagedserve.replica": _replica_id()})
+        tracing.setup_tracing(self.args.tracing, {"pagedserve.component": "ingress", "gen_ai.request.model": self.args.name,
+                                                  "pagedserve.replica": _replica_id()})
         self.processor = InputProcessor.from_config(self.args.engine_config())
         self.engine = engine
         self.openai = OpenAIServing(self.processor, self.args.name, engine.options(stream=True),
@@ -48,6 +48,9 @@ class OpenAIIngress:
 
     def __serve_build_asgi_app__(self):
         return build_http_app(self)
+
+    def __del__(self) -> None:
+        tracing.flush()  # Serve calls this once the replica's requests are done
 
     async def engine_healthy(self) -> bool:
         """Every engine replica answers healthy in time (Serve replaces one that does not)."""
@@ -60,14 +63,14 @@ class OpenAIIngress:
     # --- Python API (DeploymentHandle) ----------------------------------------------------------------
 
     async def completions(self, request: CompletionRequest | dict, trace_context: dict | None = None) -> AsyncGenerator:
-        with handle_span("completions", trace_context):
+        with tracing.handle_span("completions", trace_context):
             request = CompletionRequest.model_validate(request)
             result = await self.openai.completions(request)
             async for item in _as_stream(result, request.stream):
                 yield item
 
     async def chat(self, request: ChatCompletionRequest | dict, trace_context: dict | None = None) -> AsyncGenerator:
-        with handle_span("chat", trace_context):
+        with tracing.handle_span("chat", trace_context):
             request = ChatCompletionRequest.model_validate(request)
             result = await self.openai.chat(request)
             async for item in _as_stream(result, request.stream):
@@ -75,7 +78,7 @@ class OpenAIIngress:
 
     async def messages(self, request: MessagesRequest | dict, trace_context: dict | None = None) -> AsyncGenerator:
         """Anthropic Messages: one MessagesResponse, or (event name, data) pairs when stream=True."""
-        with handle_span("messages", trace_context):
+        with tracing.handle_span("messages", trace_context):
             request = MessagesRequest.model_validate(request)
             result = await self.anthropic.messages(request)
             async for item in _as_stream(result, request.stream):

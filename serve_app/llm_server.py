@@ -124,6 +124,7 @@ class LLMServer:
         llm = getattr(self, "llm", None)
         if llm is not None:
             llm.shutdown()
+        tracing.flush()
 
 
 class _RequestTrace:

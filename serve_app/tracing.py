@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -24,9 +24,13 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import BaseModel, ConfigDict, Field
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
 _PROPAGATOR = TraceContextTextMapPropagator()
 _TRACER: Tracer | None = None  # this process's, once set up
 _CONFIG: ResolvedTracing | None = None
+_PROVIDER: TracerProvider | None = None  # the SDK provider behind _TRACER (imported only when tracing is on)
 
 
 class TracingConfig(BaseModel):
@@ -84,7 +88,7 @@ def resolve(config: TracingConfig) -> ResolvedTracing:
 def setup_tracing(config: TracingConfig, attributes: Mapping[str, str], exporter=None) -> Tracer | None:
     """Install this process's tracer (once) and return it; None when tracing is off. `exporter`
     overrides the configured one (tests pass an in-memory exporter)."""
-    global _TRACER, _CONFIG
+    global _TRACER, _CONFIG, _PROVIDER
     if _TRACER is not None:  # one per process (several deployments can share one, e.g. in local testing)
         return _TRACER
     resolved = resolve(config)
@@ -101,8 +105,15 @@ def setup_tracing(config: TracingConfig, attributes: Mapping[str, str], exporter
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     else:
         provider.add_span_processor(BatchSpanProcessor(_exporter(resolved), schedule_delay_millis=resolved.export_interval_ms))
-    _TRACER, _CONFIG = provider.get_tracer("pagedserve"), resolved
+    _TRACER, _CONFIG, _PROVIDER = provider.get_tracer("pagedserve"), resolved, provider
     return _TRACER
+
+
+def flush(timeout_ms: int = 5000) -> None:
+    """Export the finished spans still queued. A stopping replica calls this: Ray ends the process
+    without running atexit, so the batch exporter would lose the spans of its last interval."""
+    if _PROVIDER is not None:
+        _PROVIDER.force_flush(timeout_ms)
 
 
 def _exporter(resolved: ResolvedTracing):

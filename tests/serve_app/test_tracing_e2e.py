@@ -80,3 +80,21 @@ def test_a_request_without_traceparent_starts_a_trace(traced):
 
     llm, server = wait_for(new_trace, timeout=30, interval=0.1)
     assert server.parent_span_id == "" and llm.parent_span_id == server.span_id
+
+
+def test_a_stopping_app_flushes_its_spans(deploy_app):
+    """Spans still queued for export (the interval is a minute here) leave when Serve stops the replicas."""
+    from ray import serve
+
+    receiver = OTLPReceiver()
+    try:
+        url = deploy_app("traced_flush", "/traced_flush", num_replicas=1, tracing={
+            "exporter": "otlp", "protocol": "http/protobuf", "endpoint": receiver.endpoint, "export_interval_ms": 60_000})
+        header, trace_id, _ = _traceparent()
+        r = httpx.post(url + "/v1/completions", json={"prompt": "bye", "max_tokens": 2}, headers={"traceparent": header},
+                       timeout=60)
+        assert r.status_code == 200 and receiver.trace(trace_id) == []
+        serve.delete("traced_flush")
+        assert {s.name for s in receiver.trace(trace_id)} >= {"POST /v1/completions", "llm_request"}
+    finally:
+        receiver.stop()
