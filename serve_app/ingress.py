@@ -19,7 +19,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from engine.input_processor import InputProcessor
-from serve_app import tracing
+from serve_app import replica_context, tracing
 from serve_app.anthropic_serving import AnthropicServing, add_routes
 from serve_app.app_args import AppArgs
 from serve_app.http_api import build_http_app
@@ -38,7 +38,7 @@ class OpenAIIngress:
     def __init__(self, engine: DeploymentHandle, args: dict) -> None:
         self.args = AppArgs.model_validate(args)
         tracing.setup_tracing(self.args.tracing, {"pagedserve.component": "ingress", "gen_ai.request.model": self.args.name,
-                                                  "pagedserve.replica": _replica_id()})
+                                                  "pagedserve.replica": replica_context.replica_id()})
         self.processor = InputProcessor.from_config(self.args.engine_config())
         self.engine = engine
         self.openai = OpenAIServing(self.processor, self.args.name, engine.options(stream=True),
@@ -83,13 +83,6 @@ class OpenAIIngress:
             result = await self.anthropic.messages(request)
             async for item in _as_stream(result, request.stream):
                 yield item
-
-
-def _replica_id() -> str:
-    try:
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # noqa: BLE001 - outside a Serve replica
-        return "local"
 
 
 async def _as_stream(result, stream: bool):

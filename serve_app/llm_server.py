@@ -17,7 +17,7 @@ from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput, StepTiming
 from engine.stats import EngineStats
-from serve_app import tracing
+from serve_app import replica_context, tracing
 from serve_app.engine_request import EngineRequest
 from serve_app.metrics import EngineMetrics
 
@@ -38,11 +38,7 @@ class LLMServer:
         self, engine_config: dict, served_model_name: str, stream_messages_per_s: float = 0.0,
         tracing_config: dict | None = None,
     ) -> None:
-        try:
-            replica_id = serve.get_replica_context().replica_id.unique_id
-        except Exception:  # noqa: BLE001 - outside a Serve replica (local testing)
-            replica_id = "local"
-        self.replica_id = replica_id
+        self.replica_id = replica_id = replica_context.replica_id()
         self.model_name = served_model_name
         self.tracer = tracing.setup_tracing(
             tracing.TracingConfig(**(tracing_config or {})),
