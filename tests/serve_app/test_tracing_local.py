@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from concurrent import futures
 
+import grpc
 import pytest
-from opentelemetry import trace
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -16,16 +19,30 @@ from serve_app import tracing
 from serve_app.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 
+@contextlib.contextmanager
+def _process_tracing_reset():
+    """This process's tracing as if never set up, restored afterwards (setup_tracing installs once)."""
+    saved = tracing._TRACER, tracing._CONFIG, tracing._PROVIDER
+    tracing._TRACER = tracing._CONFIG = tracing._PROVIDER = None
+    try:
+        yield
+    finally:
+        tracing._TRACER, tracing._CONFIG, tracing._PROVIDER = saved
+
+
 @pytest.fixture(scope="module")
 def traced_app():
+    with _process_tracing_reset():
+        yield from _traced_app()
+
+
+def _traced_app():
     from ray import serve
 
     from serve_app.app import build_app
     from serve_app.app_args import AppArgs
 
     exporter = InMemorySpanExporter()
-    saved = tracing._TRACER, tracing._CONFIG
-    tracing._TRACER = None
     tracing.setup_tracing(tracing.TracingConfig(record_content=False), {"test": "1"}, exporter=exporter)
     engine = {"max_model_len": 512, "num_kv_blocks": 128, "multiprocess": False}
     app = build_app(AppArgs(num_replicas=1, engine=engine, tracing={"detailed": True}))
@@ -35,7 +52,6 @@ def traced_app():
     caller.add_span_processor(SimpleSpanProcessor(exporter))
     yield handle.options(stream=True), exporter, caller.get_tracer("caller")
     handle.shutdown()
-    tracing._TRACER, tracing._CONFIG = saved
     # The local replicas' engines end with their finalizers: run them now, not inside some later
     # compile() that a collection happens to interrupt (CPython 3.11 then fails that compile).
     gc.unfreeze()
@@ -126,16 +142,41 @@ def test_failed_and_aborted_requests_end_their_spans(traced_app):
 
 
 def test_tracing_off_costs_nothing():
-    saved = tracing._TRACER
-    tracing._TRACER = None
-    try:
-        assert tracing.inject() == {}
+    with _process_tracing_reset():
+        assert tracing.setup_tracing(tracing.TracingConfig(), {}) is None  # exporter none: nothing installed
+        assert tracing.tracer() is None and tracing.inject() == {}
         with tracing.span("x") as s:
             assert s is None
-        assert tracing.setup_tracing(tracing.TracingConfig(), {}) is None  # exporter none: nothing installed
-        assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider | object)
+        tracing.flush()
+
+
+def test_default_otlp_protocol_is_grpc_and_reaches_a_collector(monkeypatch):
+    for var in ("OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
+        monkeypatch.delenv(var, raising=False)
+    received = []
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 - the gRPC service's name
+            received.extend((s.name, {a.key: a.value.string_value for a in rs.resource.attributes}.get("pagedserve.replica"))
+                            for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with _process_tracing_reset():
+            config = tracing.TracingConfig(exporter="otlp", endpoint=f"http://127.0.0.1:{port}", export_interval_ms=60_000)
+            assert tracing.setup_tracing(config, {"pagedserve.replica": "r1"}) is not None
+            with tracing.span("tokenize"):
+                pass
+            assert received == []  # queued for a minute...
+            tracing.flush()  # ...unless flushed
+            assert received == [("tokenize", "r1")]
+            tracing._PROVIDER.shutdown()
     finally:
-        tracing._TRACER = saved
+        server.stop(None)
 
 
 def test_config_falls_back_to_otel_environment(monkeypatch):
