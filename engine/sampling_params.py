@@ -38,10 +38,11 @@ def check_json_schema(schema: Any) -> None:
 
 class StructuredOutputsParams(BaseModel):
     """Constrain the output to a format (vLLM's names): exactly one of a JSON schema, any JSON object, a
-    regular expression, one of a list of strings, or an EBNF grammar (xgrammar's dialect, GBNF-like).
-    JSON is generated compactly (", " and ": " separators, no free whitespace), so that a model cannot
-    pad it forever. Checks needing the tokenizer (the compile itself) come later, when the engine or the
-    serving ingress compiles it."""
+    regular expression, one of a list of strings, an EBNF grammar (xgrammar's dialect, GBNF-like), or a
+    structural tag (xgrammar's: free text in which a trigger starts a constrained region). JSON is
+    generated compactly (", " and ": " separators, no free whitespace) unless disable_any_whitespace is
+    False, so that a model cannot pad it forever. Checks needing the tokenizer (the compile itself) come
+    later, when the engine or the serving ingress compiles it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -51,12 +52,23 @@ class StructuredOutputsParams(BaseModel):
     regex: str | None = Field(None, description="A regular expression the whole output matches.")
     choice: list[str] | None = Field(None, description="The output is exactly one of these strings.")
     grammar: str | None = Field(None, description="An EBNF grammar whose `root` rule the output matches.")
+    structural_tag: str | None = Field(None, description="An xgrammar structural tag, as JSON text: "
+                                       '{"type": "structural_tag", "format": ...} or {"structures": [...], "triggers": [...]}.')
+    disable_any_whitespace: bool | None = Field(
+        None, description="JSON whitespace: unset or True generates compact JSON; False allows any whitespace.")
+    disable_additional_properties: bool = Field(
+        False, description="JSON properties the schema does not name are never generated (always so here: strict).")
+    disable_fallback: bool = Field(False, description="Accepted for vLLM: there is one backend, xgrammar, and no fallback.")
+    whitespace_pattern: str | None = Field(None, description="Not supported by the xgrammar backend; rejected.")
 
     @model_validator(mode="after")
     def _check(self) -> StructuredOutputsParams:
-        given = [k for k in ("json", "json_object", "regex", "choice", "grammar") if self._value(k) not in (None, False)]
+        given = [k for k in _KINDS if self._value(k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"structured_outputs: give exactly one of json, json_object, regex, choice, grammar; got {given or 'none'}")
+            raise ValueError(f"structured_outputs: give exactly one of {', '.join(_KINDS)}; got {given or 'none'}")
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs: whitespace_pattern is not supported by the xgrammar backend; "
+                             "use disable_any_whitespace (compact JSON is the default)")
         kind, text = self.kind, self.text
         if len(text.encode()) > MAX_GRAMMAR_BYTES:
             raise ValueError(f"structured_outputs: the {kind} is {len(text.encode())} bytes; at most {MAX_GRAMMAR_BYTES} are accepted")
@@ -72,6 +84,16 @@ class StructuredOutputsParams(BaseModel):
             raise ValueError("structured_outputs: choice must list at least one string")
         elif kind in ("regex", "grammar") and not text:
             raise ValueError(f"structured_outputs: {kind} must not be empty")
+        elif kind == "structural_tag":
+            try:
+                tag = json.loads(text)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs: structural_tag is not valid JSON: {e}") from None
+            legacy_ok = isinstance(tag, dict) and isinstance(tag.get("triggers"), list) and isinstance(tag.get("structures"), list) \
+                and all(isinstance(s, dict) and {"begin", "schema", "end"} <= s.keys() for s in tag["structures"])
+            if not isinstance(tag, dict) or not ("format" in tag or legacy_ok):
+                raise ValueError('structured_outputs: structural_tag must be an object with "format", or the older '
+                                 '"structures" (each with begin, schema, end) and "triggers"')
         return self
 
     def _value(self, kind: str):
@@ -79,7 +101,12 @@ class StructuredOutputsParams(BaseModel):
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "json_object", "regex", "choice", "grammar") if self._value(k) not in (None, False))
+        return next(k for k in _KINDS if self._value(k) not in (None, False))
+
+    @property
+    def any_whitespace(self) -> bool:
+        """Whether generated JSON may hold free whitespace (only when disable_any_whitespace is False)."""
+        return self.disable_any_whitespace is False
 
     @cached_property
     def schema(self) -> Any:
@@ -93,13 +120,21 @@ class StructuredOutputsParams(BaseModel):
 
     @cached_property
     def text(self) -> str:
-        """The format as text: what the compiler reads and its cache is keyed by (with `kind`)."""
+        """The format as text: what the compiler reads."""
         kind = self.kind
         if kind == "json":
             return self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)
         if kind == "choice":
             return json.dumps(self.choice)
         return "" if kind == "json_object" else self._value(kind)
+
+    @property
+    def cache_key(self) -> tuple[str, str, bool]:
+        """Equal keys compile to the same grammar."""
+        return self.kind, self.text, self.any_whitespace
+
+
+_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 class SamplingParams(BaseModel):

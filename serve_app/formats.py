@@ -7,6 +7,7 @@ by the format's text here too, and run on a worker thread: a big schema never bl
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 from engine.input_processor import InputProcessor, resolve_eos_token_ids
@@ -29,6 +30,9 @@ def requested_format(req: SamplingFields) -> tuple[StructuredOutputsParams | Non
     try:
         if fmt.type == "json_object":
             return StructuredOutputsParams(json_object=True), "response_format"
+        if fmt.type == "structural_tag":
+            tag = fmt.model_dump(include={"type", "format", "structures", "triggers"}, exclude_none=True)
+            return StructuredOutputsParams(structural_tag=json.dumps(tag)), "response_format"
         return StructuredOutputsParams(json=fmt.json_schema.schema_), "response_format"
     except ValueError as e:
         raise _named(e, "response_format") from None

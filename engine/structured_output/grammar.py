@@ -41,11 +41,10 @@ class GrammarCompiler:
         return self.tokenizer_info.vocab_size
 
     def cached(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar | None:
-        key = (params.kind, params.text)
         with self._lock:
-            grammar = self._cache.get(key)
+            grammar = self._cache.get(params.cache_key)
             if grammar is not None:
-                self._cache.move_to_end(key)
+                self._cache.move_to_end(params.cache_key)
             return grammar
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
@@ -59,7 +58,7 @@ class GrammarCompiler:
             detail = _XGR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
             raise ValueError(f"structured_outputs: the {params.kind} cannot be compiled: {detail}") from None
         with self._lock:
-            self._cache[(params.kind, params.text)] = grammar
+            self._cache[params.cache_key] = grammar
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return grammar
@@ -67,15 +66,24 @@ class GrammarCompiler:
     def _compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         kind, c = params.kind, self._compiler
         if kind == "json":
-            # Compact JSON: with free whitespace a weak model can pad forever between tokens.
-            return c.compile_json_schema(params.text, any_whitespace=False)
+            # Compact by default: with free whitespace a weak model can pad forever between tokens. Strict:
+            # properties the schema does not name are never generated (disable_additional_properties).
+            return c.compile_json_schema(params.text, any_whitespace=params.any_whitespace)
         if kind == "json_object":  # any object, with any keys (non-strict: extra properties allowed)
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=params.any_whitespace, strict_mode=False)
         if kind == "regex":
             return c.compile_regex(params.regex)
         if kind == "choice":
             # JSON string escapes are valid EBNF string-literal escapes.
             return c.compile_grammar("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in params.choice))
+        if kind == "structural_tag":
+            tag = json.loads(params.structural_tag)
+            if "format" in tag:
+                return c.compile_structural_tag(params.structural_tag)
+            # vLLM's older form: begin/schema/end structures, entered when the text reaches a trigger.
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                     for s in tag["structures"]]
+            return c.compile_structural_tag(items, tag["triggers"])
         return c.compile_grammar(params.grammar)
 
 

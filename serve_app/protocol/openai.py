@@ -42,15 +42,21 @@ class JsonSchemaFormat(_Request):
 
 
 class ResponseFormat(_Request):
-    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
+    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema; or vLLM's
+    structural_tag (xgrammar's `format`, or the older `structures` and `triggers`)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ResponseFormat:
         if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
             raise ValueError("response_format: type json_schema needs json_schema.schema, the JSON schema")
+        if self.type == "structural_tag" and self.format is None and self.structures is None:
+            raise ValueError("response_format: type structural_tag needs format (or structures and triggers)")
         return self
 
 
@@ -110,7 +116,7 @@ class SamplingFields(_Request):
     priority: int = 0
     cache_salt: str | None = Field(None, max_length=256)
     request_id: str | None = Field(None, max_length=128)
-    # structured outputs: OpenAI's response_format, or vLLM's structured_outputs (json, regex, choice, grammar)
+    # structured outputs: OpenAI's response_format, or vLLM's structured_outputs (json, regex, choice, grammar, structural_tag)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
 

@@ -201,6 +201,55 @@ def test_params_validation():
     assert SamplingParams(structured_outputs={"json": {"type": "object"}}).structured_outputs.kind == "json"
 
 
+XY_SCHEMA = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["x"]}
+
+
+def test_json_whitespace_is_compact_unless_disable_any_whitespace_is_false(llm):
+    def texts(**kwargs):
+        params = SamplingParams(temperature=1.0, seed=5, max_tokens=200, structured_outputs=_so(json=XY_SCHEMA, **kwargs))
+        return [o.outputs[0].text for o in llm.generate(PROMPTS[:8], params, use_tqdm=False)]
+
+    for compact in (texts(), texts(disable_any_whitespace=True)):
+        assert all(re.fullmatch(r'\{"x": \d\}', t) for t in compact)
+    loose = texts(disable_any_whitespace=False)  # a random model pads, where the grammar lets it
+    assert any(re.search(r"\s{2}", t) for t in loose)
+    assert all(json.loads(t)["x"] in range(10) for t in loose if t.rstrip().endswith("}"))
+
+
+def test_structural_tag_constrains_its_tagged_region(llm):
+    # A sequence of a regex and a tagged choice: finite. (xgrammar's JSON inside a tag allows free
+    # whitespace, which a random model pads without end.)
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "regex", "pattern": "[a-z]{1,4}"},
+        {"type": "tag", "begin": "<f>", "content": {"type": "const_string", "value": "x=1"}, "end": "</f>"}]}}
+    params = SamplingParams(temperature=1.0, max_tokens=60, structured_outputs=_so(structural_tag=json.dumps(tag)))
+    for o in llm.generate(PROMPTS[:6], params, use_tqdm=False):
+        assert o.outputs[0].finish_reason == "stop" and re.fullmatch(r"[a-z]{1,4}<f>x=1</f>", o.outputs[0].text)
+
+
+def test_vllm_older_structural_tag_enters_its_schema_at_a_trigger(llm):
+    tag = {"structures": [{"begin": "<f>", "schema": XY_SCHEMA, "end": "</f>"}], "triggers": ["<f"]}
+    grammar = GrammarCompiler(llm.get_tokenizer(), 32064, {2}).compile(_so(structural_tag=json.dumps(tag)))
+    free, bad = xgr.GrammarMatcher(grammar), xgr.GrammarMatcher(grammar)
+    assert free.accept_string("any text at all, then <f>") and free.accept_string('{"x": 3}</f> and more text')
+    assert bad.accept_string("text <f>") and not bad.accept_string("not json")
+
+
+def test_vllm_structured_outputs_options():
+    assert _so(json=XY_SCHEMA, disable_fallback=True, disable_additional_properties=True).kind == "json"
+    assert _so(regex="a").cache_key != _so(json=XY_SCHEMA).cache_key
+    assert _so(json=XY_SCHEMA).cache_key == _so(json=XY_SCHEMA, disable_any_whitespace=True).cache_key
+    assert _so(json=XY_SCHEMA).cache_key != _so(json=XY_SCHEMA, disable_any_whitespace=False).cache_key
+    with pytest.raises(ValueError, match="whitespace_pattern is not supported"):
+        _so(json=XY_SCHEMA, whitespace_pattern=r"\s*")
+    with pytest.raises(ValueError, match="structural_tag is not valid JSON"):
+        _so(structural_tag="{oops")
+    with pytest.raises(ValueError, match="each with begin, schema, end"):
+        _so(structural_tag=json.dumps({"structures": [{"begin": "<f>"}], "triggers": ["<f>"]}))
+    with pytest.raises(ValueError, match="exactly one"):
+        _so(regex="a", structural_tag=json.dumps({"format": {}}))
+
+
 def test_model_vocab_larger_than_the_tokenizer(llm):
     """Padded embeddings: the bitmask covers every logit and never allows an id the tokenizer lacks."""
     compiler = GrammarCompiler(llm.get_tokenizer(), 32064, {2})

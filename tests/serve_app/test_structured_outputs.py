@@ -90,6 +90,20 @@ def test_completions_json_schema_streamed_and_regex(client):
     assert all(c.finish_reason == "stop" and re.fullmatch(regex, c.text) for c in r.choices)
 
 
+def test_vllm_structural_tag_and_structured_outputs_options(client):
+    # A regex inside the tag: finite. (xgrammar's JSON inside a tag allows free whitespace, which a
+    # random model pads without end.)
+    fmt = {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<d>", "content": {"type": "regex", "pattern": "[0-9]{2}-[a-z]{2}"}, "end": "</d>"}}
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A code"}], max_tokens=60,
+                                       n=2, response_format=fmt)
+    assert all(c.finish_reason == "stop" and re.fullmatch(r"<d>\d\d-[a-z]{2}</d>", c.message.content) for c in r.choices)
+    digit = {"type": "object", "properties": {"d": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["d"]}
+    so = {"json": digit, "disable_any_whitespace": True, "disable_fallback": True, "disable_additional_properties": True}
+    r = client.completions.create(model=MODEL, prompt="A digit:", max_tokens=60, extra_body={"structured_outputs": so})
+    assert r.choices[0].finish_reason == "stop" and re.fullmatch(r'\{"d": \d\}', r.choices[0].text)
+
+
 def test_choice_and_json_object(client):
     choices = ["positive", "negative", "neutral"]
     r = _chat(client, 0, n=3, extra_body={"structured_outputs": {"choice": choices}})
@@ -198,6 +212,11 @@ def test_tool_results_go_through_the_chat_template(client):
         ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
         ("/v1/completions", {"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
         ("/v1/completions", {"structured_outputs": {"grammar": "root ::= missing_rule"}}, "structured_outputs"),
+        ("/v1/completions", {"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": " "}},
+         "structured_outputs"),
+        ("/v1/chat/completions", {"response_format": {"type": "structural_tag"}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "structural_tag", "format": {"type": "no_such_format"}}},
+         "response_format"),
         ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ("/v1/completions", {"structured_outputs": {"json": {"type": "object"}},
                              "response_format": {"type": "json_object"}}, "response_format"),
