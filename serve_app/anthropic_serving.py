@@ -1,6 +1,6 @@
-"""The Anthropic Messages route (`POST /v1/messages`): its logic on top of OpenAIServing (the same
-processor, chat template, sampling-parameter checks, EngineRequests and engine streams), and its HTTP
-route with Anthropic's server-sent events.
+"""The Anthropic Messages routes (`POST /v1/messages`, `/v1/messages/count_tokens`): their logic on top
+of OpenAIServing (the same processor, chat template, sampling-parameter checks, EngineRequests and
+engine streams), and their HTTP routes with Anthropic's server-sent events.
 
 An Anthropic request becomes the equivalent ChatCompletionRequest (the system prompt as a "system"
 message first), so validation, the context-length checks and the engine path are exactly the chat
@@ -25,9 +25,11 @@ from serve_app.http_api import json_response
 from serve_app.openai_serving import OpenAIServing, _Tally
 from serve_app.protocol.anthropic import (
     AnthropicErrorResponse,
+    Conversation,
     MessagesRequest,
     MessagesResponse,
     MessagesUsage,
+    MessageTokensCount,
     StopReason,
     TextBlock,
     new_message_id,
@@ -60,8 +62,9 @@ class AnthropicServing:
         self.openai = openai
         self.model_name = openai.model_name
 
-    def chat_request(self, req: MessagesRequest) -> ChatCompletionRequest:
-        """The equivalent chat completion request (what validation, templating and sampling see)."""
+    def chat_request(self, req: Conversation) -> ChatCompletionRequest:
+        """The equivalent chat completion request (what validation, templating and sampling see); for a
+        bare Conversation (token counting) without sampling fields."""
         turns: list[dict] = []
         for m in req.messages:
             if turns and turns[-1]["role"] == m.role:
@@ -71,15 +74,21 @@ class AnthropicServing:
         system = req.system_text()
         messages = ([{"role": "system", "content": system}] if system else []) + turns
         prefill = turns[-1]["role"] == "assistant"
+        sampling = dict(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                        stop=req.stop_sequences, stream=req.stream, ignore_eos=req.ignore_eos) \
+            if isinstance(req, MessagesRequest) else {}
         try:
             return ChatCompletionRequest(
-                model=req.model, messages=messages, max_tokens=req.max_tokens, temperature=req.temperature,
-                top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences, stream=req.stream, ignore_eos=req.ignore_eos,
-                add_generation_prompt=not prefill,
-                chat_template_kwargs={"continue_final_message": True} if prefill else None,
+                model=req.model, messages=messages, add_generation_prompt=not prefill,
+                chat_template_kwargs={"continue_final_message": True} if prefill else None, **sampling,
             )
         except ValueError as e:  # pydantic.ValidationError; MessagesRequest's own checks make it unlikely
             raise from_exception(e) from e
+
+    def count_tokens(self, req: Conversation) -> MessageTokensCount:
+        """The prompt tokens `req` would cost as a Messages request (nothing reaches the engine)."""
+        self.openai.check_model(req.model)
+        return MessageTokensCount(input_tokens=len(self.openai.chat_prompt(self.chat_request(req)).token_ids))
 
     async def messages(self, req: MessagesRequest) -> MessagesResponse | AsyncIterator[Event]:
         """Validates everything and waits for the engine's first output (raising APIError), then returns
@@ -178,3 +187,8 @@ def add_routes(app: FastAPI, serving: AnthropicServing) -> None:
             return StreamingResponse(sse(result), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return json_response(result)
+
+    @app.post("/v1/messages/count_tokens", response_model=MessageTokensCount, responses=_ERRORS,
+              summary="Anthropic token counting: the prompt tokens a Messages request would cost")
+    async def count_tokens(body: Conversation):
+        return json_response(serving.count_tokens(body))

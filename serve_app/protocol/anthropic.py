@@ -1,4 +1,4 @@
-"""Anthropic Messages API request and response models (`POST /v1/messages`).
+"""Anthropic Messages API request and response models (`POST /v1/messages`, `/v1/messages/count_tokens`).
 
 Follows Anthropic's documented shapes. Requests ignore fields we do not know (`metadata`, `tools`,
 `cache_control` on blocks, `anthropic-beta` features...); every field we do know is validated here and
@@ -63,13 +63,27 @@ class MessageParam(_Request):
         return _join(self.content)
 
 
-class MessagesRequest(_Request):
-    """The request body of `POST /v1/messages`."""
+class Conversation(_Request):
+    """What `POST /v1/messages/count_tokens` takes, and `POST /v1/messages` too: a model, the turns and a
+    system prompt."""
 
     model: str
     messages: list[MessageParam] = Field(min_length=1)
-    max_tokens: int = Field(ge=1, description="Most tokens to generate (required).")
     system: str | list[TextBlockParam] | None = Field(None, description="System prompt: a string or text blocks.")
+
+    @field_validator("system", mode="before")
+    @classmethod
+    def _check_system(cls, value: Any) -> Any:
+        return _text_blocks_only(value)
+
+    def system_text(self) -> str | None:
+        return None if self.system is None else _join(self.system)
+
+
+class MessagesRequest(Conversation):
+    """The request body of `POST /v1/messages`."""
+
+    max_tokens: int = Field(ge=1, description="Most tokens to generate (required).")
     stop_sequences: list[str] | None = Field(None, description="Strings that end the output (not included in it).")
     temperature: float | None = Field(None, ge=0.0, le=1.0, description="0 to 1; defaults to 1.")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -77,11 +91,6 @@ class MessagesRequest(_Request):
     stream: bool = False
     metadata: dict[str, Any] | None = Field(None, description="Accepted and ignored.")
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past the end-of-sequence token.")
-
-    @field_validator("system", mode="before")
-    @classmethod
-    def _check_system(cls, value: Any) -> Any:
-        return _text_blocks_only(value)
 
     @field_validator("stop_sequences")
     @classmethod
@@ -95,13 +104,16 @@ class MessagesRequest(_Request):
                                       {"limit": MAX_STOP_STRING_LENGTH})
         return value
 
-    def system_text(self) -> str | None:
-        return None if self.system is None else _join(self.system)
-
 
 # --- responses -------------------------------------------------------------------------------------
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence"]
+
+
+class MessageTokensCount(BaseModel):
+    """The response of `POST /v1/messages/count_tokens`."""
+
+    input_tokens: int = Field(description="Tokens of the prompt the conversation renders to, system prompt included.")
 
 
 def new_message_id() -> str:

@@ -87,6 +87,21 @@ def test_prefill_and_consecutive_turns(client):
     assert prefilled.stop_reason == "max_tokens" and _input_tokens(prefilled.usage) > _input_tokens(plain.usage)
 
 
+def test_count_tokens_matches_what_a_message_costs(serve_app_url, client, chat_tokens):
+    system = [{"type": "text", "text": "Be terse."}]
+    counted = client.messages.count_tokens(model=MODEL, system=system, messages=HELLO)
+    assert counted.input_tokens == chat_tokens([{"role": "system", "content": "Be terse."}, *HELLO])
+    r = client.messages.create(model=MODEL, max_tokens=2, extra_body=GREEDY, system=system, messages=HELLO)
+    assert _input_tokens(r.usage) == counted.input_tokens
+    prefill = [*HELLO, {"role": "user", "content": "again"}, {"role": "assistant", "content": "Sure"}]  # merged, continued
+    r = client.messages.create(model=MODEL, max_tokens=2, extra_body=GREEDY, messages=prefill)
+    assert client.messages.count_tokens(model=MODEL, messages=prefill).input_tokens == _input_tokens(r.usage)
+    assert "model" in _error(httpx.post(serve_app_url + "/v1/messages/count_tokens", json={"messages": HELLO}),
+                             400, "invalid_request_error")
+    assert "nope" in _error(httpx.post(serve_app_url + "/v1/messages/count_tokens", json={"model": "nope", "messages": HELLO}),
+                            404, "not_found_error")
+
+
 def test_stream_event_sequence(serve_app_url, client, chat_tokens):
     body = {"model": MODEL, "max_tokens": 10, "temperature": 0, "messages": HELLO, "stream": True}
     events = _raw_events(serve_app_url, body)
