@@ -41,9 +41,10 @@ class AppArgs(BaseModel):
         "`policy`, the KV/queue policy (autoscale.ray_policy:KVQueueAutoscalingPolicy) is used.",
     )
     api_keys: list[str] = Field(default_factory=list, description="If set, /v1/* requires one of them.")
-    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "pythonic"] = Field(
         "auto", description="How tool_choice=auto reads tool calls out of the model's text (serve_app/tool_parsers); "
-        "`auto` picks by the chat template's markers ([TOOL_CALLS]: mistral, <|python_tag|>: llama3_json, else hermes).",
+        "`auto` picks by the chat template's markers ([TOOL_CALLS]: mistral, <|python_start|>: pythonic, "
+        "<|python_tag|>: llama3_json, else hermes).",
     )
     max_request_body_bytes: int = Field(
         8 * 2**20, ge=1024, description="Larger request bodies get 413 before they are parsed (default 8 MiB).")

@@ -6,6 +6,9 @@ chat template's markers.
     llama3_json   Llama 3.x JSON:      {"name": ..., "parameters": {...}} (optionally after <|python_tag|>,
                                        several separated by ';')
     mistral       Mistral v3:          [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]
+                  Mistral v11+:        [TOOL_CALLS]name[ARGS]{...} (repeatable)
+    pythonic      Llama 3.2 / 4:       [get_weather(city="Paris"), ping()] (optionally within
+                                       <|python_start|> ... <|python_end|>)
 
 A parser never raises on model output: text it cannot read as tool calls stays content."""
 
@@ -15,11 +18,13 @@ from serve_app.tool_parsers.base import ParsedToolCall, ToolParser
 from serve_app.tool_parsers.hermes import HermesToolParser
 from serve_app.tool_parsers.llama3_json import Llama3JsonToolParser
 from serve_app.tool_parsers.mistral import MistralToolParser
+from serve_app.tool_parsers.pythonic import PythonicToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
 }
 
 
@@ -30,6 +35,8 @@ def get_tool_parser(name: str, chat_template: str | None = None) -> ToolParser:
         template = chat_template or ""
         if "[TOOL_CALLS]" in template:
             name = "mistral"
+        elif "<|python_start|>" in template:
+            name = "pythonic"
         elif "<|python_tag|>" in template or "ipython" in template:
             name = "llama3_json"
         else:

@@ -10,34 +10,57 @@ import pytest
 from serve_app.chat_tools import ChoiceTools, ToolPlan
 from serve_app.tool_parsers import get_tool_parser
 
+# case -> (parser, output text, content before the calls)
 CASES = {
-    "hermes": (
-        'I will look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-        '<tool_call>{"name": "search", "arguments": {"query": "a<b"}}</tool_call>',
-        "I will look.",
-    ),
-    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "search", "parameters": {"query": "a<b"}}',
+    "hermes": ("hermes",
+               'I will look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>{"name": "search", "arguments": {"query": "a<b"}}</tool_call>', "I will look."),
+    "llama3_json": ("llama3_json",
+                    '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "search", "parameters": {"query": "a<b"}}',
                     None),
-    "mistral": ('I will look. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
-                '{"name": "search", "arguments": {"query": "a<b"}}]', "I will look."),
+    "mistral": ("mistral", 'I will look. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                           '{"name": "search", "arguments": {"query": "a<b"}}]', "I will look."),
+    "mistral_v11": ("mistral", 'I will look.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]search[ARGS]'
+                               '{"query": "a<b"}', "I will look."),
+    "pythonic": ("pythonic", '[get_weather(city="Paris"), search(query=\'a<b\')]', None),
+    "pythonic_llama4": ("pythonic", '<|python_start|>[get_weather(city="Paris"), search(query="a<b")]<|python_end|>', None),
 }
 EXPECTED = [("get_weather", {"city": "Paris"}), ("search", {"query": "a<b"})]
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_extract_calls_and_content(name):
-    text, content = CASES[name]
+@pytest.mark.parametrize("case", list(CASES))
+def test_extract_calls_and_content(case):
+    name, text, content = CASES[case]
     parser = get_tool_parser(name)
     got_content, calls = parser.extract(text)
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_no_calls_or_malformed_ones_stay_content(name):
+@pytest.mark.parametrize("case", list(CASES))
+def test_no_calls_or_malformed_ones_stay_content(case):
+    name, text, _ = CASES[case]
     parser = get_tool_parser(name)
-    for text in ["Just words, {braces} and [brackets].", CASES[name][0][: len(CASES[name][0]) // 2]]:
-        assert parser.extract(text) == (text, [])
+    for plain in ["Just words, {braces} and [brackets].", text[: len(text) // 2]]:
+        assert parser.extract(plain) == (plain, [])
+
+
+def test_mistral_v11_needs_a_name_and_one_object_per_call():
+    parser = get_tool_parser("mistral")
+    for text in ['[TOOL_CALLS][ARGS]{"a": 1}', "[TOOL_CALLS]f[ARGS][1, 2]", '[TOOL_CALLS]f[ARGS]{"a": 1} {"b": 2}',
+                 '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g']:
+        assert parser.extract(text) == (text, []), text
+
+
+def test_pythonic_reads_literals_and_never_evaluates():
+    parser = get_tool_parser("pythonic")
+    [call] = parser.extract('[f(flag=True, none=None, n=-2.5, items=(1, "x"), nested={"k": [False]})]')[1]
+    assert (call.name, json.loads(call.arguments)) == ("f", {"flag": True, "none": None, "n": -2.5, "items": [1, "x"],
+                                                            "nested": {"k": [False]}})
+    assert [c.name for c in parser.extract("[ping()]")[1]] == ["ping"]
+    for text in ['[f("positional")]', "[f(x=__import__('os').getcwd())]", "[os.system(cmd='ls')]", "[f(**kw)]",
+                 "[f(s={1, 2})]", "[]", "[1, 2]", "Sure: [f(x=1)]"]:
+        assert parser.extract(text) == (text, []), text
 
 
 def test_llama3_only_at_the_start_and_python_tag():
@@ -48,6 +71,7 @@ def test_llama3_only_at_the_start_and_python_tag():
 
 def test_auto_picks_the_templates_format():
     assert get_tool_parser("auto", "...[TOOL_CALLS]...").name == "mistral"
+    assert get_tool_parser("auto", "...<|python_start|>...ipython...").name == "pythonic"
     assert get_tool_parser("auto", "...<|python_tag|>...").name == "llama3_json"
     assert get_tool_parser("auto", "<tool_call>").name == "hermes"
     with pytest.raises(ValueError, match="tool_call_parser"):
@@ -65,9 +89,9 @@ def _stream(plan: ToolPlan, pieces: list[str], finish: str = "stop"):
     return content, calls, reasons
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_streamed_auto_matches_the_whole(name):
-    text, content = CASES[name]
+@pytest.mark.parametrize("case", list(CASES))
+def test_streamed_auto_matches_the_whole(case):
+    name, text, content = CASES[case]
     plan = ToolPlan("auto", parser=get_tool_parser(name))
     for size in (1, 3, 17):
         streamed, calls, reasons = _stream(plan, [text[i : i + size] for i in range(0, len(text), size)])
