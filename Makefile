@@ -18,11 +18,18 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-run: install
-	$(BIN)/serve run configs/default.yaml
+# HAProxy in front of the ingress replicas instead of Ray's proxy actor (serve_app/app.py, HAPROXY_INGRESS_ENV).
+HAPROXY_INGRESS_ENV := RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_ENABLE_HA_PROXY=1
 
+run: install
+	$(HAPROXY_INGRESS_ENV) $(BIN)/serve run configs/default.yaml
+
+# The suite serves HTTP as `make run` does (HAProxy); the HTTP-facing tests run again through Ray's proxy
+# actor, which a plain `serve run` uses.
 test: install
 	$(BIN)/python -m pytest -q
+	PAGEDSERVE_TEST_INGRESS=proxy $(BIN)/python -m pytest -q tests/serve_app/test_openai_api.py \
+		tests/serve_app/test_disconnect_and_handle.py tests/serve_app/test_errors.py
 
 bench: install
 	$(BIN)/python benchmarks/throughput.py

@@ -133,12 +133,6 @@ async def bench_inprocess(args, requests) -> dict:
     return summarize("in-process AsyncLLM", results, duration)
 
 
-# Ray Serve 2.60's HAProxy mode: HAProxy takes the HTTP port and forwards to the ingress replicas' own HTTP
-# servers, instead of a Python proxy actor relaying each request, its body and every streamed message.
-# Read by every Ray process at start, so set before ray.init (`make run` sets them too).
-HAPROXY_ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
-
-
 def bench_serve(args, requests, tracing: dict | None = None, name: str = "Ray Serve app, 1 replica, HTTP",
                 haproxy: bool = False) -> dict:
     import os
@@ -146,10 +140,10 @@ def bench_serve(args, requests, tracing: dict | None = None, name: str = "Ray Se
     import ray
     from ray import serve
 
-    from serve_app.app import build_app
+    from serve_app.app import HAPROXY_INGRESS_ENV, build_app
 
-    saved_env = {k: os.environ.get(k) for k in HAPROXY_ENV}
-    os.environ.update(HAPROXY_ENV if haproxy else {k: "0" for k in HAPROXY_ENV})
+    saved_env = {k: os.environ.get(k) for k in HAPROXY_INGRESS_ENV}
+    os.environ.update(HAPROXY_INGRESS_ENV if haproxy else {k: "0" for k in HAPROXY_INGRESS_ENV})
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     app_args = AppArgs(model=args.model, num_replicas=1, engine=ENGINE, stream_messages_per_s=args.stream_budget,

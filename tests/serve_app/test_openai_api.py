@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import httpx
 import openai
+import psutil
 import pytest
+
+from tests.serve_app.conftest import INGRESS
 
 MODEL = "pagedserve-tiny"
 
@@ -22,6 +25,13 @@ def tokenize(serve_app_url):
 @pytest.fixture(scope="module")
 def detokenize(serve_app_url):
     return lambda ids: httpx.post(serve_app_url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+
+
+def test_http_arrives_the_way_the_session_was_started(serve_app_url):
+    """HAProxy in front (as `make run`) or Ray's proxy actor alone (a plain `serve run`): the environment
+    the session set took effect."""
+    names = {p.info["name"] for p in psutil.process_iter(["name"])}
+    assert ("haproxy" in names) == (INGRESS == "haproxy")
 
 
 def test_models(client):

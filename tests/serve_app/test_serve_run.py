@@ -1,5 +1,6 @@
-"""The README's run command: `serve run configs/default.yaml` answers a chat completion and exits
-cleanly on SIGTERM. It starts its own Ray, so it runs before the shared session instance."""
+"""The README's run command (`make run`: `serve run configs/default.yaml` behind HAProxy) answers a chat
+completion and exits cleanly on SIGTERM. It starts its own Ray, so it runs before the shared session
+instance."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from serve_app.app import HAPROXY_INGRESS_ENV
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _ray_processes() -> int:
-    out = subprocess.run(["pgrep", "-f", "raylet|gcs_server"], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-f", "raylet|gcs_server|haproxy"], capture_output=True, text=True).stdout
     return len(out.split())
 
 
@@ -25,7 +28,7 @@ def _ray_processes() -> int:
 def test_serve_run_default_config():
     before = _ray_processes()
     serve_bin = Path(sys.executable).parent / "serve"
-    env = {**os.environ, "RAY_ADDRESS": "local"}  # a fresh local Ray, never one another process runs
+    env = {**os.environ, **HAPROXY_INGRESS_ENV, "RAY_ADDRESS": "local"}  # a fresh local Ray, never another's
     proc = subprocess.Popen([str(serve_bin), "run", "configs/default.yaml"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
