@@ -89,8 +89,9 @@ class StructuredOutputsParams(BaseModel):
                 tag = json.loads(text)
             except ValueError as e:
                 raise ValueError(f"structured_outputs: structural_tag is not valid JSON: {e}") from None
-            legacy_ok = isinstance(tag, dict) and isinstance(tag.get("triggers"), list) and isinstance(tag.get("structures"), list) \
-                and all(isinstance(s, dict) and {"begin", "schema", "end"} <= s.keys() for s in tag["structures"])
+            structures = tag.get("structures") if isinstance(tag, dict) else None
+            legacy_ok = isinstance(structures, list) and isinstance(tag.get("triggers"), list) and all(
+                isinstance(s, dict) and {"begin", "schema", "end"} <= s.keys() for s in structures)
             if not isinstance(tag, dict) or not ("format" in tag or legacy_ok):
                 raise ValueError('structured_outputs: structural_tag must be an object with "format", or the older '
                                  '"structures" (each with begin, schema, end) and "triggers"')
