@@ -43,7 +43,8 @@ class JsonSchemaFormat(_Request):
 
 class ResponseFormat(_Request):
     """OpenAI's response_format: free text, any JSON object, or JSON matching a schema; or vLLM's
-    structural_tag (xgrammar's `format`, or the older `structures` and `triggers`)."""
+    structural_tag (xgrammar's `format`, or the older `structures` and `triggers`; checked, as every
+    format is, by StructuredOutputsParams)."""
 
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
@@ -55,8 +56,6 @@ class ResponseFormat(_Request):
     def _check(self) -> ResponseFormat:
         if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
             raise ValueError("response_format: type json_schema needs json_schema.schema, the JSON schema")
-        if self.type == "structural_tag" and self.format is None and self.structures is None:
-            raise ValueError("response_format: type structural_tag needs format (or structures and triggers)")
         return self
 
 
