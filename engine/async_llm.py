@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.engine_core import run_engine_loop, run_engine_process
 from engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
+from engine.executor import Rendezvous, WorkerLauncher
 from engine.input_processor import InputProcessor, PreparedRequest
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, merge_deltas
@@ -61,8 +62,19 @@ class _Stream:
 class AsyncLLM:
     """`AsyncLLM(EngineConfig(model="pagedserve-tiny"))`, then `async for out in llm.generate(...)`."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, launcher: WorkerLauncher | None = None) -> None:
+        """`launcher`: who starts the ranks of a multi-rank engine (the serving app passes its Ray launcher);
+        by default worker processes on this host. With `multiprocess` the launcher runs here and the engine
+        process attaches to the workers: a daemonic engine process could not start processes itself."""
         self.config = config
+        self._launcher = launcher
+        rendezvous = None
+        if config.world_size > 1 and (config.multiprocess or launcher is not None):
+            if self._launcher is None:
+                from engine.executor.multiproc import ProcessLauncher
+
+                self._launcher = ProcessLauncher()
+            rendezvous = self._launcher.launch(config, config.step_timeout_s)
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams and _num_pending_adds
         self._num_pending_adds = 0
@@ -72,9 +84,14 @@ class AsyncLLM:
         if config.multiprocess:
             self.engine = None  # lives in the engine process
             self.processor = InputProcessor.from_config(config)
-            self._start_process()
+            self._start_process(rendezvous)
         else:
-            self.engine = LLMEngine(config)
+            try:
+                self.engine = LLMEngine(config, rendezvous)
+            except BaseException:
+                if self._launcher is not None:
+                    self._launcher.shutdown()
+                raise
             self.processor = self.engine.input_processor
             self.stats = self.engine.get_stats()
             self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -85,20 +102,25 @@ class AsyncLLM:
         gc.freeze()
         self._thread.start()
 
-    def _start_process(self) -> None:
+    def _start_process(self, rendezvous: Rendezvous | None) -> None:
         ctx = multiprocessing.get_context("spawn")  # never fork a process holding torch and Ray threads
         commands_in, self._commands_out = ctx.Pipe(duplex=False)
         events_in, events_out = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=run_engine_process, args=(self.config, commands_in, events_out),
+        self._process = ctx.Process(target=run_engine_process, args=(self.config, rendezvous, commands_in, events_out),
                                     name="pagedserve-engine-core", daemon=True)
         self._process.start()
         commands_in.close()
         events_out.close()
         self._events = events_in
         self._send_lock = threading.Lock()
-        kind, payload = self._events.recv()  # ("ready", stats), or ("dead", why) if loading failed
+        while not self._events.poll(0.5):  # ("ready", stats) comes, or ("dead", why) if loading failed
+            if self._launcher is not None and self._launcher.failure() is not None:
+                self._launcher.shutdown()  # closes the store under the engine process, which then gives up
+        kind, payload = self._events.recv()
         if kind != "ready":
             self._process.join(5)
+            if self._launcher is not None:
+                self._launcher.shutdown()
             raise RuntimeError(payload)
         self.stats = payload
         self._thread = threading.Thread(target=self._read_process_events, name="pagedserve-engine-events", daemon=True)
@@ -118,7 +140,13 @@ class AsyncLLM:
         return self.processor.tokenizer
 
     def is_healthy(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        return self._dead is None and self._thread.is_alive() and self.worker_failure() is None
+
+    def worker_failure(self) -> str | None:
+        """Why a rank of a multi-rank engine is gone (the engine itself notices at its next step), or None."""
+        if self._launcher is not None:
+            return self._launcher.failure()
+        return self.engine.check_health() if self.engine is not None else None
 
     @property
     def num_in_flight(self) -> int:
@@ -198,6 +226,10 @@ class AsyncLLM:
             if self._process.is_alive():
                 self._process.kill()
         self._thread.join(timeout_s)
+        if self.engine is not None:
+            self.engine.shutdown()
+        if self._launcher is not None:
+            self._launcher.shutdown()
 
     # --- the engine loop's side ----------------------------------------------------------------------
 

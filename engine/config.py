@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.spec_decode.config import SpeculativeConfig
 
@@ -39,8 +39,8 @@ class EngineConfig(BaseModel):
     kv_cache_memory_gb: float | None = Field(
         None,
         gt=0,
-        description="KV-cache memory budget in GiB. Default: 2 GiB on CPU; on CUDA, what "
-        "`gpu_memory_utilization` leaves after the weights.",
+        description="KV-cache memory budget of each rank, in GiB. Default: 2 GiB on CPU; on CUDA, what "
+        "`gpu_memory_utilization` leaves after the weights. Ranks agree on the smallest block count.",
     )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Fraction of GPU memory the engine may use (CUDA only)."
@@ -68,8 +68,9 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(
         None,
         ge=1,
-        description="CPU threads for torch in this process (torch.set_num_threads). Give each engine "
-        "replica its share of the cores: oversubscribed OpenMP threads spin against each other.",
+        description="CPU threads for torch in each rank's process (torch.set_num_threads). Give each engine "
+        "replica its share of the cores: oversubscribed OpenMP threads spin against each other. Default: "
+        "torch's own for one rank; the host's cores shared out among its ranks for several.",
     )
     collect_step_timings: bool = Field(
         False,
@@ -91,9 +92,41 @@ class EngineConfig(BaseModel):
         description="AsyncLLM admission control: beyond this many waiting requests, `generate` raises "
         "EngineOverloadedError at once (HTTP 429). None: unbounded.",
     )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks each layer is split across (attention heads, MLP and vocabulary slices); "
+        "two all-reduces per layer. Within a host.",
+    )
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="Stages the layers are split across (the first holds the embedding, the last the "
+        "norm and LM head); up to this many batches are in flight so that stages overlap. May span hosts.",
+    )
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = Field(
+        None,
+        description="Who runs the ranks: `uni` one rank in the engine's process; `mp` worker processes this "
+        "engine spawns (offline `LLM`, `AsyncLLM`); `ray` Ray actors in a Serve replica's placement group (the "
+        "serving app sets it). None: uni for one rank, else mp.",
+    )
+    step_timeout_s: float = Field(
+        300.0, gt=0,
+        description="Multi-rank engines: a rank silent this long in a step (hung, or its host gone) is dead and "
+        "the engine fails rather than wait. Generous: a long CPU prefill step can take seconds.",
+    )
     speculative_config: SpeculativeConfig | None = Field(
         None,
         description="Speculative decoding (a SpeculativeConfig or a dict of its fields): draft tokens by n-gram "
         "lookup or a draft model and verify them in one target forward. Greedy output is unchanged; sampled "
         "output keeps the target's distribution. None: off.",
     )
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> EngineConfig:
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend: 'uni' runs one rank, but tensor_parallel_size x "
+                f"pipeline_parallel_size = {self.world_size}; use 'mp' (or 'ray' in the serving app)"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from engine.config import EngineConfig
+from engine.executor import Rendezvous
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 
@@ -95,10 +96,12 @@ def heap_trimmer(period_s: float = TRIM_PERIOD_S, idle_gap_s: float = 1.0) -> Ca
     return maybe_trim
 
 
-def run_engine_process(config: EngineConfig, commands: Connection, events: Connection) -> None:
-    """Entry point of the engine process (spawned, so it imports this module afresh)."""
+def run_engine_process(config: EngineConfig, rendezvous: Rendezvous | None, commands: Connection, events: Connection) -> None:
+    """Entry point of the engine process (spawned, so it imports this module afresh). A multi-rank
+    engine's workers were started by the parent (a daemonic process cannot start processes), which
+    hands over where they wait."""
     try:
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, rendezvous)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         events.send(("dead", f"the engine failed to start: {type(e).__name__}: {e}"))
         return
@@ -116,3 +119,5 @@ def run_engine_process(config: EngineConfig, commands: Connection, events: Conne
         run_engine_loop(engine, next_command, events.send)
     except BaseException:  # noqa: BLE001 - reported as "dead" (or the parent is gone: nobody to tell)
         pass
+    finally:
+        engine.shutdown()

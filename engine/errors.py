@@ -15,3 +15,7 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """This request alone failed (e.g. while sampling it); the engine goes on serving the others."""
+
+
+class WorkerFailedError(RuntimeError):
+    """A rank of a multi-device engine failed, died or hung: the engine cannot go on (fatal)."""

@@ -22,6 +22,10 @@ class LLM:
     def __init__(self, model: str, **engine_config) -> None:
         self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_config))
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a multi-rank engine; they also stop when this process exits."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 from concurrent import futures
 
@@ -14,11 +15,13 @@ import torch
 from engine.block_hash import short_hash
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
-from engine.input_processor import InputProcessor, PreparedRequest, resolve_eos_token_ids, resolve_max_model_len
+from engine.errors import WorkerFailedError
+from engine.executor import Rendezvous
+from engine.executor.worker import threads_per_rank
+from engine.input_processor import InputProcessor, PreparedRequest, resolve_eos_token_ids
 from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import LogprobEntry, ModelRunner, ModelRunnerOutput
-from engine.models.config import ModelConfig
-from engine.models.loader import resolve_model_path
+from engine.model_runner import LogprobEntry, ModelRunner, ModelRunnerOutput, StepPlan
+from engine.model_spec import ModelSpec
 from engine.output_processor import OutputProcessor
 from engine.outputs import Logprob, RequestOutput, StepTiming
 from engine.request import Request, RequestStatus
@@ -31,7 +34,6 @@ from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 _MAX_FAILED_STEPS = 3  # single-request steps failing in a row before the engine declares itself dead
 
@@ -40,35 +42,25 @@ class LLMEngine:
     """Not thread-safe: one thread drives it (LLM's caller, or AsyncLLM's engine thread); other threads
     may only call `prepare_request`, `tokenize` and `apply_chat_template`."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rendezvous: Rendezvous | None = None) -> None:
+        """`rendezvous`: workers of a multi-rank engine that a launcher already started (AsyncLLM, the
+        serving app); without it a multi-rank engine spawns its own (`mp`)."""
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        path = resolve_model_path(config.model, config.revision)
-        self.model_config = ModelConfig.from_pretrained(path)
-        self.device = _resolve_device(config.device)
-        self.dtype = _resolve_dtype(config.dtype, self.model_config, self.device)
-        self.max_model_len = resolve_max_model_len(config, self.model_config)
+        spec = ModelSpec.resolve(config)
+        if config.num_threads is not None or config.world_size > 1:
+            torch.set_num_threads(threads_per_rank(config, config.world_size))
+        self.model_config = spec.model_config
+        self.dtype = spec.dtype
+        self.max_model_len = spec.max_model_len
         self.max_num_batched_tokens = self._resolve_max_num_batched_tokens()
-        self.tokenizer = load_tokenizer(config.tokenizer or path, config.revision if config.tokenizer else None)
+        self.tokenizer = load_tokenizer(config.tokenizer or spec.path, config.revision if config.tokenizer else None)
         self.eos_token_ids = resolve_eos_token_ids(self.model_config, self.tokenizer)
-        self.model_runner = ModelRunner(config, self.model_config, path, self.dtype, self.device, self.max_model_len)
-        num_blocks = self.model_runner.num_blocks
-        if (num_blocks - 1) * config.block_size < self.max_model_len:
-            raise ValueError(
-                f"num_kv_blocks: {num_blocks - 1} usable blocks of {config.block_size} tokens cannot hold one "
-                f"request of max_model_len={self.max_model_len}; raise the KV budget or lower max_model_len"
-            )
-        block_pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            KVCacheManager(block_pool, config.block_size),
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            policy=config.scheduling_policy,
-            num_speculative_tokens=config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
-        )
+        self.model_runner = ModelRunner(config, spec, rendezvous)
+        try:
+            self.scheduler = self._build_scheduler(self.model_runner.num_blocks)
+        except ValueError:
+            self.shutdown()
+            raise
         self.input_processor = InputProcessor(config, self.model_config, self.tokenizer, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(
@@ -80,6 +72,26 @@ class LLMEngine:
         self._parked: dict[str, list[Request]] = {}  # samples waiting for their first sibling's prefill
         self._num_steps = 0
         self._consecutive_failed_steps = 0
+        self._pipeline_depth = config.pipeline_parallel_size
+        self._in_flight: deque[tuple[StepPlan, float]] = deque()
+
+    def _build_scheduler(self, num_blocks: int) -> Scheduler:
+        config = self.config
+        if (num_blocks - 1) * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"num_kv_blocks: {num_blocks - 1} usable blocks of {config.block_size} tokens cannot hold one "
+                f"request of max_model_len={self.max_model_len}; raise the KV budget or lower max_model_len"
+            )
+        block_pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        return Scheduler(
+            KVCacheManager(block_pool, config.block_size),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
+            num_speculative_tokens=config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
+        )
 
     def _resolve_max_num_batched_tokens(self) -> int:
         value = self.config.max_num_batched_tokens
@@ -170,7 +182,7 @@ class LLMEngine:
         return self._emit(requests)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._children)
+        return bool(self._children) or bool(self._in_flight)  # steps in flight are drained even if aborted
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -179,15 +191,58 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns outputs for the requests it advanced (per their output_kind)."""
         compile_failures = self._release_compiled()
+        if self._pipeline_depth > 1:
+            return compile_failures + self._step_pipelined()
         so = self.scheduler.schedule()
         self._num_steps += 1
         if so.is_empty:
-            self.model_runner.release(so.released_request_ids)
-            if self._compiling:  # nothing to run but grammars compiling: wait for one rather than spin
-                futures.wait([c[0].grammar.future for c in self._compiling.values()], 0.02, futures.FIRST_COMPLETED)
+            self._idle(so)
             return compile_failures
         start = time.monotonic()
         out, failed = self._execute_isolated(so)
+        return compile_failures + self._process(so, out, failed, start)
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Pipeline parallelism: up to pipeline_parallel_size steps in flight. A new step is submitted
+        before the oldest is collected, so that the earlier stages compute it while the driver (the last
+        stage) finishes the oldest. A step whose sampling fails fails its requests (steps cannot be
+        re-run one request at a time while others are in flight); a rank's failure is fatal."""
+        runner, submitted = self.model_runner, False
+        if len(self._in_flight) < self._pipeline_depth:
+            so = self.scheduler.schedule()
+            if so.is_empty:
+                if not self._in_flight:
+                    self._idle(so)
+                    return []
+                runner.release(so.released_request_ids)
+            else:
+                self._num_steps += 1
+                plan = runner.prepare(so, self.scheduler.kv_cache_manager)
+                runner.executor.submit(plan.inp)
+                self._in_flight.append((plan, time.monotonic()))
+                submitted = True
+        if not self._in_flight or (submitted and len(self._in_flight) < self._pipeline_depth):
+            return []  # room for another step before the oldest must come back
+        plan, start = self._in_flight.popleft()
+        logits = runner.executor.collect()
+        try:
+            return self._process(plan.so, runner.finish(plan, logits), [], start)
+        except WorkerFailedError:
+            raise
+        except Exception:
+            logger.exception("sampling a pipelined step of %d requests failed; failing them", len(plan.so.requests))
+        so = plan.so
+        failed = [r.external_id for r in so.requests]
+        so.num_scheduled_tokens[:] = [0] * len(so.requests)
+        return self._process(so, ModelRunnerOutput([None] * len(so.requests), [None] * len(so.requests), {}), failed, start)
+
+    def _idle(self, so: SchedulerOutput) -> None:
+        self.model_runner.release(so.released_request_ids)
+        if self._compiling:  # nothing to run but grammars compiling: wait for one rather than spin
+            futures.wait([c[0].grammar.future for c in self._compiling.values()], 0.02, futures.FIRST_COMPLETED)
+
+    def _process(self, so: SchedulerOutput, out: ModelRunnerOutput, failed: list[str], start: float) -> list[RequestOutput]:
+        """Apply a step's results: tokens, logprobs, grammars, failures, stops; the outputs to emit."""
         if self.config.collect_step_timings:
             self._record_step(so, start, time.monotonic())
         for j, entries in out.prompt_logprobs.items():
@@ -202,7 +257,6 @@ class LLMEngine:
                     request.cumulative_logprob += e[1][0]
         self._advance_grammars(updated)
         outputs = self._finish(failed, RequestStatus.FINISHED_ERROR, error="the engine failed while running this request")
-        outputs = compile_failures + outputs
         self._release_parked()
         return outputs + self._emit(updated)
 
@@ -259,6 +313,8 @@ class LLMEngine:
             out = self.model_runner.execute(so, kv)
             self._consecutive_failed_steps = 0
             return out, []
+        except WorkerFailedError:  # the ranks are out of step: nothing can be retried
+            raise
         except Exception:
             logger.exception("step of %d requests failed; retrying them one by one", len(so.requests))
         merged = ModelRunnerOutput([None] * len(so.requests), [None] * len(so.requests), {})
@@ -267,6 +323,8 @@ class LLMEngine:
             alone = SchedulerOutput([request], [n])
             try:
                 single = self.model_runner.execute(alone, kv)
+            except WorkerFailedError:
+                raise
             except Exception as e:
                 failed.append(request.external_id)
                 errors.append(e)
@@ -296,6 +354,14 @@ class LLMEngine:
                 for child in reversed(waiting):  # they arrived before anything now waiting
                     self.scheduler.add_request(child, front=True)
                 del self._parked[rid]
+
+    def check_health(self) -> str | None:
+        """Why the engine cannot serve (a worker of a multi-rank engine is gone), or None."""
+        return self.model_runner.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the workers of a multi-rank engine (idempotent; a single-rank engine holds none)."""
+        self.model_runner.executor.shutdown()
 
     def cache_summary(self, max_blocks: int = 65536) -> bytes:
         """The short hashes (engine/block_hash.py) of the blocks the prefix cache holds, newest last, as
@@ -335,20 +401,3 @@ def _logprob_dict(entry: LogprobEntry) -> dict[int, Logprob]:
     for top_rank, (t, v) in enumerate(zip(ids[1:], values[1:]), start=1):
         result.setdefault(t, Logprob(v, top_rank))
     return result
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: cuda requested but torch sees no GPU; use device='cpu'")
-    return torch.device(device)
-
-
-def _resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    checkpoint = _DTYPES.get(str(cfg.torch_dtype).removeprefix("torch."), torch.float32)
-    if checkpoint is torch.float16 and device.type == "cpu":
-        return torch.float32
-    return checkpoint

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import numpy as np
 import torch
 
 from engine.block_table import BlockTable
@@ -16,6 +14,8 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import build_model, resolve_model_path
+from engine.model_spec import ModelSpec
+from engine.executor import ModelInput, Rendezvous, create_executor
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, SamplingMetadata, build_sampling_metadata, gather_logprobs, processed_probs
 from engine.scheduler import SchedulerOutput
@@ -23,9 +23,6 @@ from engine.spec_decode.draft_proposer import DraftModelProposer
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.spec_decode.rejection_sampler import accept_greedy, rejection_sample
 from kernels.attention import AttentionMetadata, get_attention_backend
-from kernels.cpu.linear import pack_linear_layers
-
-_CPU_KV_CACHE_GB = 2.0
 
 
 # A logprob entry: (token ids, logprobs, rank of the first token). The first token is the sampled (or,
@@ -46,61 +43,62 @@ class ModelRunnerOutput:
     draft_logprobs: dict[int, list[LogprobEntry]] = field(default_factory=dict)
 
 
+@dataclass
+class StepPlan:
+    """A step between `prepare` and `finish`: its input, and where its logits go."""
+
+    so: SchedulerOutput
+    inp: ModelInput
+    samplers: list[int]  # index in so.requests of each request that samples, in batch order
+    num_sampled: int  # logit rows of the samplers (one per verified position); prompt logprob rows follow
+    prompt_rows: list[tuple[int, int, int, int]]  # (index in so.requests, first position, count, row)
+    draft_probs: dict[int, torch.Tensor]
+
+
 class ModelRunner:
-    def __init__(
-        self,
-        config: EngineConfig,
-        model_config: ModelConfig,
-        model_path: Path,
-        dtype: torch.dtype,
-        device: torch.device,
-        max_model_len: int,
-    ) -> None:
+    """The driver's side of a step: which token rows to run and which to sample (engine/executor runs the
+    forward on every rank), then sampling, speculative drafting and verification, structured-output masks.
+    A draft model for speculative decoding lives here too, whole, on the driver alone."""
+
+    def __init__(self, config: EngineConfig, spec: ModelSpec, rendezvous: Rendezvous | None = None) -> None:
         self.config = config
-        self.model_config = model_config
-        self.device = device
-        self.dtype = dtype
+        self.spec = spec
+        self.model_config = spec.model_config
+        self.dtype = spec.dtype
         self.block_size = config.block_size
-        self.max_model_len = max_model_len
+        self.max_model_len = spec.max_model_len
+        self.device = torch.device("cuda") if spec.device_type == "cuda" else torch.device("cpu")
+        draft = config.speculative_config
         load_format = "safetensors" if config.load_format == "auto" else config.load_format
-        self.model = build_model(model_config, model_path, load_format, dtype, device, config.seed)
-        if device.type == "cpu":
-            pack_linear_layers(self.model, config.max_num_seqs)
-        spec = config.speculative_config
-        self.draft_model = self._load_draft(spec.model, load_format) if spec and spec.method == "draft_model" else None
-        self.num_blocks = self._num_kv_blocks()
-        backend_cls = get_attention_backend(config.attention_backend, device.type)
-        self.attn_backend = backend_cls(
-            model_config.num_attention_heads,
-            model_config.num_key_value_heads,
-            model_config.head_dim,
-            self.block_size,
-            self.num_blocks,
-            dtype,
-            device,
-        )
-        # Zeroed, not empty: padded gathers read unwritten slots, and garbage could hold NaNs.
-        for layer in self.model.attention_layers:
-            layer.kv_cache = torch.zeros(self.attn_backend.kv_cache_shape(), dtype=dtype, device=device)
+        self.draft_model = self._load_draft(draft.model, load_format) if draft and draft.method == "draft_model" else None
+        draft_bytes = self._draft_bytes_per_block()
+        self.executor = create_executor(config, spec, rendezvous, draft_bytes)
+        self.num_blocks = self.executor.num_blocks
         self.sampler = Sampler(config.seed)
         self.structured_output = None  # the engine's StructuredOutputManager: masks constrained rows' logits
-        self.block_table = BlockTable(config.max_num_seqs, -(-max_model_len // self.block_size))
-        self.ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec and spec.method == "ngram" else None
+        self.block_table = BlockTable(config.max_num_seqs, -(-self.max_model_len // self.block_size))
+        self.ngram = NgramProposer(draft.prompt_lookup_min, draft.prompt_lookup_max) if draft and draft.method == "ngram" else None
         self.drafter = None
         if self.draft_model is not None:
             draft_cfg = self.draft_model.config
+            backend_cls = get_attention_backend(config.attention_backend, self.device.type)
             draft_backend = backend_cls(
                 draft_cfg.num_attention_heads, draft_cfg.num_key_value_heads, draft_cfg.head_dim,
-                self.block_size, self.num_blocks, dtype, device,
+                self.block_size, self.num_blocks, self.dtype, self.device,
             )
             # The draft's own KV, indexed by the target's block ids: one allocation, caching and freeing.
             for layer in self.draft_model.attention_layers:
-                layer.kv_cache = torch.zeros(draft_backend.kv_cache_shape(), dtype=dtype, device=device)
+                layer.kv_cache = torch.zeros(draft_backend.kv_cache_shape(), dtype=self.dtype, device=self.device)
             self.drafter = DraftModelProposer(
                 self.draft_model, draft_backend,
                 lambda request, kv: self.block_table.sync(request.request_id, kv.get_block_ids(request)),
-                self._prepare_inputs, self.sampler.generator, device,
+                self._prepare_inputs, self.sampler.generator, self.device,
             )
+
+    @property
+    def model(self) -> LlamaForCausalLM:
+        """The driver's part of the model (all of it on one rank)."""
+        return self.executor.driver_worker.model
 
     def _load_draft(self, model: str, load_format: str) -> LlamaForCausalLM:
         path = resolve_model_path(model)
@@ -115,41 +113,22 @@ class ModelRunner:
                 f"speculative_config.model: the draft handles {cfg.max_position_embeddings} positions, fewer than "
                 f"max_model_len={self.max_model_len}; lower max_model_len or pick another draft"
             )
-        draft = build_model(cfg, path, load_format, self.dtype, self.device, self.config.seed)
-        if self.device.type == "cpu":
-            pack_linear_layers(draft, self.config.max_num_seqs)
-        return draft
+        return build_model(cfg, path, load_format, self.dtype, self.device, self.config.seed, self.config.max_num_seqs)
 
-    def _bytes_per_block(self) -> int:
+    def _draft_bytes_per_block(self) -> int:
+        if self.draft_model is None:
+            return 0
+        c = self.draft_model.config
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        configs = [self.model_config] + ([self.draft_model.config] if self.draft_model is not None else [])
-        return sum(2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.block_size * elem for c in configs)
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.block_size * elem
 
-    def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        if self.config.kv_cache_memory_gb is not None:
-            budget = self.config.kv_cache_memory_gb * 2**30
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = total * self.config.gpu_memory_utilization - used
-            if budget <= 0:
-                raise ValueError(
-                    f"gpu_memory_utilization: {self.config.gpu_memory_utilization} leaves no room for the "
-                    f"KV cache ({used / 2**30:.1f} GiB already in use); raise it or set kv_cache_memory_gb"
-                )
-        else:
-            budget = _CPU_KV_CACHE_GB * 2**30
-        # No point holding more than every running request at full length could use.
-        ceiling = self.config.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
-        num_blocks = min(int(budget // self._bytes_per_block()), ceiling)
-        if num_blocks < 2:
-            raise ValueError("kv_cache_memory_gb: the budget holds less than 2 KV blocks; raise it")
-        return num_blocks
+    def execute(self, so: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
+        plan = self.prepare(so, kv)
+        return self.finish(plan, self.executor.execute_model(plan.inp))
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
+    def prepare(self, so: SchedulerOutput, kv: KVCacheManager) -> StepPlan:
+        """Draft tokens (speculative decoding), then the step's ModelInput and what to sample from it."""
         self.release(so.released_request_ids)
         draft_probs = self._propose(so, kv) if self.ngram is not None or self.drafter is not None else {}
         # Decodes first: backends batch the leading single-token sequences together.
@@ -191,15 +170,17 @@ class ModelRunner:
         for _, _, count, row in prompt_rows:
             logit_rows.extend(range(row, row + count))
 
-        md, positions = self._prepare_inputs(starts, q_lens, rows, max(widths))
-        self.attn_backend.plan(md)
-        input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids_t, positions, self.attn_backend)
+        inp = ModelInput.build(input_ids, starts, q_lens, self.block_table.table[rows, : max(widths)], self.block_size,
+                               logit_rows)
+        return StepPlan(so, inp, samplers, num_sampled, prompt_rows, draft_probs)
 
+    @torch.inference_mode()
+    def finish(self, plan: StepPlan, logits: torch.Tensor | None) -> ModelRunnerOutput:
+        """Sample (and verify drafts, and gather logprobs) from the step's logits."""
+        so, samplers, num_sampled, draft_probs = plan.so, plan.samplers, plan.num_sampled, plan.draft_probs
         out = ModelRunnerOutput([None] * len(so.requests), [None] * len(so.requests), {})
-        if not logit_rows:
+        if logits is None:
             return out
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
         if samplers:
             requests = [so.requests[j] for j in samplers]
             speculating = num_sampled > len(samplers)
@@ -221,7 +202,7 @@ class ModelRunner:
                         if want is not None:
                             out.logprobs[j] = (entry[0][: 1 + want], entry[1][: 1 + want], entry[2])
         offset = num_sampled
-        for j, first, count, _ in prompt_rows:
+        for j, first, count, _ in plan.prompt_rows:
             request = so.requests[j]
             targets = torch.tensor(request.prompt_token_ids[first + 1 : first + 1 + count], device=self.device)
             k = request.sampling_params.prompt_logprobs
@@ -314,34 +295,9 @@ class ModelRunner:
     def _prepare_inputs(
         self, starts: list[int], q_lens: list[int], rows: list[int], width: int
     ) -> tuple[AttentionMetadata, torch.Tensor]:
-        """Attention metadata and token positions, vectorised over the batch."""
-        num_seqs = len(q_lens)
-        num_decodes = next((i for i, n in enumerate(q_lens) if n != 1), num_seqs)
-        q_lens_np = np.asarray(q_lens, dtype=np.int64)
-        starts_np = np.asarray(starts, dtype=np.int64)
-        seq_lens_np = starts_np + q_lens_np
-        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(q_lens_np, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        # Position of every token: its sequence's start plus its offset within the chunk.
-        token_seq = np.repeat(np.arange(num_seqs), q_lens_np)
-        positions = np.arange(num_tokens) - query_start_loc[token_seq] + starts_np[token_seq]
-        # Columns past a request's blocks may hold stale ids; attention never reads past seq_lens.
-        block_tables = self.block_table.table[rows, :width]
-        bs = self.block_size
-        slot_mapping = block_tables[token_seq, positions // bs] * bs + positions % bs
-        dev = self.device
-        md = AttentionMetadata(
-            num_tokens=num_tokens,
-            num_decodes=num_decodes,
-            query_start_loc_cpu=query_start_loc.tolist(),
-            seq_lens_cpu=seq_lens_np.tolist(),
-            query_start_loc=torch.from_numpy(query_start_loc).to(dev, torch.int32),
-            seq_lens=torch.from_numpy(seq_lens_np).to(dev, torch.int32),
-            block_tables=torch.from_numpy(block_tables).to(dev, torch.int32),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-        )
-        return md, torch.from_numpy(positions).to(dev)
+        """Attention metadata and token positions of a batch the driver runs itself (the draft model's)."""
+        inp = ModelInput.build([], starts, q_lens, self.block_table.table[rows, :width], self.block_size)
+        return inp.attention_metadata(self.device), torch.from_numpy(inp.positions).to(self.device)
 
 
 def _logprob_entries(ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor) -> list[LogprobEntry]:

@@ -117,6 +117,9 @@ class Scheduler:
         self.waiting = _PriorityQueue() if policy == "priority" else _FCFSQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Requests in a step that has not come back yet (pipeline parallelism keeps several steps in flight):
+        # they are not scheduled again, nor preempted, until `update_from_output` has their tokens.
+        self.in_flight: set[str] = set()
         self._released: list[str] = []
         # Counters since start.
         self.num_preemptions = 0
@@ -155,6 +158,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.request_id in self.in_flight:
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             # Slots for draft tokens, filled by the proposer before the forward. They never cost another
             # request its blocks: without room for them the request decodes plainly.
@@ -162,7 +168,7 @@ class Scheduler:
             if num_drafts and kv.allocate_slots(request, num_new + num_drafts):
                 num_new += num_drafts
             while not kv.allocate_slots(request, num_new):
-                victim = self._choose_victim()
+                victim = self._choose_victim(request)
                 self._preempt(victim, out)
                 if victim is request:
                     break
@@ -198,6 +204,7 @@ class Scheduler:
             out.requests.append(request)
             out.num_scheduled_tokens.append(num_new)
             budget -= num_new
+        self.in_flight.update(r.request_id for r in out.requests)
         return out
 
     def _num_draft_slots(self, request: Request, num_new: int, budget: int) -> int:
@@ -209,10 +216,13 @@ class Scheduler:
             return 0
         return max(0, min(self.num_speculative_tokens, budget - 1, request.max_tokens - request.num_output_tokens - 1))
 
-    def _choose_victim(self) -> Request:
+    def _choose_victim(self, request: Request) -> Request:
+        """The running request to preempt so that `request` gets blocks (possibly itself); never one
+        whose step is still in flight."""
+        candidates = [r for r in self.running if r.request_id not in self.in_flight] or [request]
         if self.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -249,6 +259,7 @@ class Scheduler:
         block_size = kv.block_size
         updated = []
         now = time.monotonic()
+        self.in_flight.difference_update(r.request_id for r in out.requests)
         for j, (request, num_tokens, token) in enumerate(zip(out.requests, out.num_scheduled_tokens, sampled_token_ids)):
             if request.is_finished:  # aborted or failed while the step ran
                 request.spec_token_ids = []

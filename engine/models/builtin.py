@@ -22,6 +22,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from engine.models.config import ModelConfig
+from engine.models.llama import checkpoint_shapes
+
 _ARCH = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
 _COMMON = {
     "vocab_size": 32000,
@@ -124,7 +127,7 @@ def write_checkpoint(path: Path, spec: dict, seed: int) -> None:
     )
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, shape in hf_llama_shapes(spec).items():
+    for name, shape in checkpoint_shapes(ModelConfig.from_dict(spec)).items():
         if name.endswith("norm.weight"):
             tensors[name] = torch.ones(shape)
         else:
@@ -142,28 +145,3 @@ def write_tokenizer(path: Path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(_TOKENIZER_CONFIG, indent=2))
     # Converting the SentencePiece model takes seconds; save the fast tokenizer.json once.
     AutoTokenizer.from_pretrained(path).save_pretrained(path)
-
-
-def hf_llama_shapes(spec: dict) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of a Hugging Face Llama checkpoint with this config."""
-    h, i, v = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"]
-    d = spec.get("head_dim") or h // spec["num_attention_heads"]
-    q, kv = spec["num_attention_heads"] * d, spec["num_key_value_heads"] * d
-    shapes = {"model.embed_tokens.weight": (v, h)}
-    for n in range(spec["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-        }
-    shapes["model.norm.weight"] = (h,)
-    if not spec.get("tie_word_embeddings"):
-        shapes["lm_head.weight"] = (v, h)
-    return shapes

@@ -1,28 +1,59 @@
 """One decoder for the Llama family: Llama (incl. Llama 3 rope scaling), Mistral, Qwen2 (qkv bias) and
 Qwen3 (per-head q/k RMSNorm). Tokens arrive flattened ([num_tokens]); attention goes through the
-paged attention backend. Projections are fused (qkv, gate_up) so each layer runs four matmuls."""
+paged attention backend. Projections are fused (qkv, gate_up) so each layer runs four matmuls.
+
+Under tensor parallelism each rank holds its heads and its slice of the MLP (engine/models/layers);
+under pipeline parallelism a stage holds a contiguous run of layers, the first stage the embedding,
+the last the final norm and LM head, and stages hand each other (hidden states, residual)."""
 
 from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import get_pp_group
+from engine.models.checkpoint import CheckpointTensor
 from engine.models.config import ModelConfig
-from engine.models.layers import RMSNorm, RotaryEmbedding
+from engine.models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from engine.models.layers.linear import copy_checked
+from engine.models.layers.quantization import QuantizationConfig
 from kernels.attention import AttentionBackend
+
+# What a pipeline stage hands the next one: (hidden states, residual).
+IntermediateTensors = tuple[torch.Tensor, torch.Tensor]
+
+
+def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """Layers [start, end) of a stage: an even split, the remainder on the first stages (the last one
+    also holds the norm and the LM head)."""
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (pp_rank < extra)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          bias=cfg.qkv_bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias,
+                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.rope = rope
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -45,11 +76,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], bias=cfg.mlp_bias,
+                                                       quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias, quant_config=quant_config,
+                                           prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -57,12 +90,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rope)
+        self.self_attn = Attention(cfg, rope, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, quant_config, f"{prefix}.mlp")
 
     def forward(self, positions, x, residual, backend):
         if residual is None:
@@ -76,17 +109,30 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, quant_config: QuantizationConfig | None, prefix: str = "model") -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        pp = get_pp_group()
+        self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
+        self.start_layer, self.end_layer = pp_layer_range(cfg.num_hidden_layers, pp.rank_in_group, pp.size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if pp.is_first else None
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Other stages' layers are placeholders, so that parameter names keep the checkpoint's indices.
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, rope, quant_config, f"{prefix}.layers.{i}") if self.start_layer <= i < self.end_layer
+            else nn.Identity()
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pp.is_last else None
 
-    def forward(self, input_ids, positions, backend):
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def forward(self, input_ids, positions, backend, intermediate: IntermediateTensors | None = None):
+        if self.is_first_stage:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate
+        for layer in self.layers[self.start_layer : self.end_layer]:
             x, residual = layer(positions, x, residual, backend)
+        if not self.is_last_stage:
+            return x, residual
         x, _ = self.norm(x, residual)
         return x
 
@@ -101,29 +147,26 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model = LlamaModel(cfg, quant_config)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if self.model.is_last_stage else None
+        if cfg.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
+            self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        return self.model(input_ids, positions, backend)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        """Final hidden states on the last stage; (hidden states, residual) for the next stage elsewhere."""
+        return self.model(input_ids, positions, backend, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocabulary logits on the rank that samples, None on its TP peers."""
+        return self.lm_head.compute_logits(hidden)
 
     @property
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.model.layers]
-
-    def shard_sizes(self, fused_name: str) -> list[int]:
-        attn = self.model.layers[0].self_attn
-        if fused_name == "qkv_proj":
-            return [attn.q_size, attn.kv_size, attn.kv_size]
-        return [self.config.intermediate_size] * 2
+        return [layer.self_attn for layer in self.model.layers[self.model.start_layer : self.model.end_layer]]
 
     def checkpoint_to_param(self, name: str) -> tuple[str, int | None] | None:
         """Our parameter name and shard for a checkpoint tensor name, or None to skip it."""
@@ -131,7 +174,102 @@ class LlamaForCausalLM(nn.Module):
             return None
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None
+        if name == "model.embed_tokens.weight" and self.model.embed_tokens is None:
+            # A last stage without the embedding loads it as its tied LM head.
+            return ("lm_head.weight", None) if self.config.tie_word_embeddings and self.lm_head is not None else None
         for hf, (ours, shard) in self.packed_modules.items():
             if f".{hf}." in name:
                 return name.replace(f".{hf}.", f".{ours}."), shard
         return name, None
+
+    def _on_other_stage(self, param_name: str) -> bool:
+        parts = param_name.split(".")
+        if parts[:2] == ["model", "layers"]:
+            return not self.model.start_layer <= int(parts[2]) < self.model.end_layer
+        return (parts[:2] == ["model", "norm"] and self.model.norm is None) or (parts[0] == "lm_head" and self.lm_head is None)
+
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
+        """Load checkpoint tensors, each narrowed to this rank's part; raises naming what is missing."""
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, int | None]] = set()
+        for name, tensor in weights:
+            target = self.checkpoint_to_param(name)
+            if target is None:
+                continue
+            ours, shard = target
+            if ours not in params:
+                if self._on_other_stage(ours):
+                    continue
+                raise ValueError(f"model: checkpoint tensor {name!r} matches no parameter of {self.config.architecture}")
+            param = params[ours]
+            loader = getattr(param, "weight_loader", None)
+            try:
+                if loader is None:
+                    copy_checked(param, tensor)
+                else:
+                    loader(param, tensor, shard)
+            except ValueError as e:
+                raise ValueError(f"model: {name!r} {e}") from None
+            loaded.add((ours, shard))
+        missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in self._expected_weights() - loaded)
+        if missing:
+            raise ValueError(f"model: the checkpoint lacks weights: {', '.join(missing[:8])}")
+
+    def _expected_weights(self) -> set[tuple[str, int | None]]:
+        expected, seen = set(), set()
+        for module_name, module in self.named_modules():
+            shards = range(module.num_shards) if getattr(module, "num_shards", 1) > 1 else [None]
+            for param_name, param in module.named_parameters(recurse=False):
+                if id(param) not in seen:  # a tied LM head shares the embedding's weight
+                    seen.add(id(param))
+                    expected.update((f"{module_name}.{param_name}", s) for s in shards)
+        return expected
+
+
+def checkpoint_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Names and full shapes of the tensors of a Hugging Face checkpoint of this architecture."""
+    h, i, d = c.hidden_size, c.intermediate_size, c.head_dim
+    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, h)}
+    for n in range(c.num_hidden_layers):
+        p = f"model.layers.{n}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)}
+        if c.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)}
+        if c.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if c.mlp_bias:
+            shapes |= {p + f"mlp.{m}_proj.bias": ((h,) if m == "down" else (i,)) for m in ("gate", "up", "down")}
+        if c.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+    shapes["model.norm.weight"] = (h,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    return shapes
+
+
+class _RandomTensor:
+    """A random tensor drawn only when read (a rank reads the slices it holds)."""
+
+    def __init__(self, shape: tuple[int, ...], seed: int, std: float) -> None:
+        self.shape, self.seed, self.std = shape, seed, std
+
+    def __getitem__(self, index) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed)
+        return (torch.randn(self.shape, generator=gen) * self.std)[index]
+
+
+def dummy_checkpoint(model: LlamaForCausalLM, seed: int) -> Iterable[tuple[str, CheckpointTensor]]:
+    """Random weights at the checkpoint's full shapes, drawn per tensor name: every parallel layout of an
+    engine sees the same model (norms 1, biases 0, the rest normal with the config's initializer_range)."""
+    std = model.config.initializer_range
+    for name, shape in checkpoint_shapes(model.config).items():
+        if name.endswith("norm.weight"):
+            yield name, CheckpointTensor.of(torch.ones(shape))
+        elif name.endswith(".bias"):
+            yield name, CheckpointTensor.of(torch.zeros(shape))
+        else:
+            yield name, CheckpointTensor(_RandomTensor(shape, seed ^ zlib.crc32(name.encode()), std), shape, torch.float32)

@@ -1,17 +1,16 @@
-"""Resolve a model name to a local Hugging Face folder and load its weights into our decoder."""
+"""Resolve a model name to a local Hugging Face folder, build our decoder for it and load its weights."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from engine.models.builtin import BUILTIN_MODELS, materialize_builtin
+from engine.models.checkpoint import iter_checkpoint
 from engine.models.config import ModelConfig
-from engine.models.llama import LlamaForCausalLM
+from engine.models.layers.quantization import QuantizationConfig
+from engine.models.llama import LlamaForCausalLM, dummy_checkpoint
 
 # What a serving engine needs from a hub repo; skips .bin/.pth/.gguf duplicates of the weights.
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "*.tiktoken"]
@@ -39,74 +38,39 @@ def resolve_model_path(model: str, revision: str | None = None, weights: bool = 
 
 
 def build_model(
-    cfg: ModelConfig, path: Path, load_format: str, dtype: torch.dtype, device: torch.device, seed: int
+    cfg: ModelConfig,
+    path: Path,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    batch_size_hint: int,
+    quant_config: QuantizationConfig | None = None,
 ) -> LlamaForCausalLM:
+    """This rank's part of the model, loaded and in compute form (dense weights prepacked on CPU for
+    batches of about `batch_size_hint` rows)."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters in the target dtype; rope tables stay float32
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg)
+            model = LlamaForCausalLM(cfg, quant_config)
     finally:
         torch.set_default_dtype(default_dtype)
-    if load_format == "dummy":
-        init_dummy_weights(model, cfg, seed)
-    else:
-        load_safetensors(model, path)
+    with torch.no_grad():
+        model.load_weights(dummy_checkpoint(model, seed) if load_format == "dummy" else iter_checkpoint(path))
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module, batch_size_hint)
     return model.eval()
 
 
-def init_dummy_weights(model: LlamaForCausalLM, cfg: ModelConfig, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith(".bias"):
-                param.zero_()
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) * cfg.initializer_range)
-
-
-def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model: no *.safetensors weights in {path}; use load_format='dummy' for random weights")
-    for file in files:
-        with safe_open(str(path / file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
-def load_safetensors(model: LlamaForCausalLM, path: Path) -> None:
-    params = dict(model.named_parameters())
-    loaded: set[tuple[str, int | None]] = set()
-    with torch.no_grad():
-        for name, tensor in iter_checkpoint(path):
-            target = model.checkpoint_to_param(name)
-            if target is None:
-                continue
-            ours, shard = target
-            if ours not in params:
-                raise ValueError(f"model: checkpoint tensor {name!r} matches no parameter of {model.config.architecture}")
-            param = params[ours]
-            if shard is None:
-                dst = param
-            else:
-                sizes = model.shard_sizes(ours.split(".")[-2])
-                dst = param.narrow(0, sum(sizes[:shard]), sizes[shard])
-            if dst.shape != tensor.shape:
-                raise ValueError(f"model: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
-            loaded.add((ours, shard))
-    expected = set()
-    for ours in params:
-        fused = ours.split(".")[-2]
-        shards = range(len(model.shard_sizes(fused))) if fused in ("qkv_proj", "gate_up_proj") else [None]
-        expected.update((ours, s) for s in shards)
-    missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
-    if missing:
-        raise ValueError(f"model: checkpoint {path} lacks weights: {', '.join(missing[:8])}")
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights this rank holds: parameters and persistent buffers (packed weights), not the
+    rope tables or the KV cache."""
+    tensors = {id(p): p for p in model.parameters()}
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                tensors[id(buffer)] = buffer
+    return sum(t.numel() * t.element_size() for t in tensors.values())

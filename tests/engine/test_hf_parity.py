@@ -1,16 +1,14 @@
-"""Token-exact greedy parity with Hugging Face transformers on random weights, float32, for every
-supported architecture, across the engine's scheduling modes."""
+"""Greedy parity with Hugging Face transformers on random weights, float32, for every supported
+architecture, across the engine's scheduling modes (tests/parity.py: equal tokens, ties excepted)."""
 
 from __future__ import annotations
 
 import random
-from functools import cache
-
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from tests.conftest import ARCHS
+from tests.parity import assert_tokens_match, hf_greedy
 
 NEW_TOKENS = 32
 PROMPT_LENS = [5, 12, 33, 64, 100, 150, 240, 300]
@@ -24,28 +22,6 @@ def _random_prompts(seed: int, lengths: list[int], prefix: list[int] = ()) -> li
 PROMPTS = _random_prompts(0, PROMPT_LENS)
 SHARED_PREFIX = _random_prompts(1, [200])[0][1:]
 SHARED_PROMPTS = _random_prompts(2, [210, 230, 250, 260, 280, 300, 205, 220], SHARED_PREFIX)
-
-
-@cache
-def _hf_model(path: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-@torch.inference_mode()
-def hf_greedy(path: str, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy tokens and each step's log_softmax, one prompt at a time (no padding)."""
-    model = _hf_model(path)
-    out = model(torch.tensor([prompt]), use_cache=True)
-    tokens, logprobs = [], []
-    for _ in range(n):
-        lp = out.logits[0, -1].float().log_softmax(-1)
-        token = int(lp.argmax())
-        tokens.append(token)
-        logprobs.append(lp)
-        out = model(torch.tensor([[token]]), cache=out.cache, use_cache=True)
-    return tokens, logprobs
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -65,8 +41,7 @@ def test_greedy_parity(arch, variant, hf_checkpoint):
     llm = LLM(path, dtype="float32", **VARIANTS[variant])
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
-        expected, _ = hf_greedy(path, prompt, NEW_TOKENS)
-        assert out.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
+        assert_tokens_match(out.outputs[0].token_ids, *hf_greedy(path, prompt, NEW_TOKENS), what=f"prompt of {len(prompt)} tokens")
         assert out.outputs[0].finish_reason == "length"
     if variant == "preemption":
         assert llm.llm_engine.scheduler.num_preemptions > 0
@@ -82,7 +57,7 @@ def test_shared_prefix_parity(arch, prefix_caching, hf_checkpoint):
     first = llm.generate(SHARED_PROMPTS[:1], GREEDY, use_tqdm=False)  # warms the cache with the prefix
     outs = first + llm.generate(SHARED_PROMPTS[1:], GREEDY, use_tqdm=False)
     for prompt, out in zip(SHARED_PROMPTS, outs):
-        assert out.outputs[0].token_ids == hf_greedy(path, prompt, NEW_TOKENS)[0]
+        assert_tokens_match(out.outputs[0].token_ids, *hf_greedy(path, prompt, NEW_TOKENS), what=f"prompt of {len(prompt)} tokens")
     cached = [o.num_cached_tokens for o in outs[1:]]
     if prefix_caching:
         assert all(c >= 192 for c in cached), cached  # the 200-token prefix, in full 16-token blocks

@@ -1,0 +1,134 @@
+"""Broadcast of each step's input from the driver to the other ranks: pickled once, written once.
+
+The shape of vLLM's and nano-vllm's MessageQueue. Readers on the driver's host read the payload from a
+shared-memory ring (a file in /dev/shm, one slot per message, `num_slots` deep); readers elsewhere, and
+payloads larger than a slot, get it over their socket. Every reader has a TCP connection to the writer
+on which it blocks for the next message's 16-byte header: readers sleep in the kernel between steps,
+never spinning, which two cores cannot afford. The socket is also the liveness link: a reader sees EOF
+when the writer's process dies, and the writer a broken pipe when a reader's does.
+
+A reader publishes how far it has read in the ring's header; the writer reuses a slot only once every
+local reader is past it (readers lag by a step or two at most: each step ends in collectives that need
+every rank)."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import pickle
+import socket
+import struct
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+_HEADER = struct.Struct("<qqq")  # sequence number, payload bytes, 1 if the payload is in the ring
+_SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise EOFError("the message queue's peer closed the connection")
+        got += k
+    return bytes(buf)
+
+
+class MessageQueueWriter:
+    def __init__(self, store: dist.Store, name: str, num_readers: int, host: str,
+                 num_slots: int = 4, slot_bytes: int = 1 << 20, timeout_s: float = 600.0) -> None:
+        self.name, self.num_readers = name, num_readers
+        self.num_slots, self.slot_bytes = num_slots, slot_bytes
+        self.seq = 0
+        self.path = _SHM_DIR / f"{name}-mq"
+        self._header_bytes = 8 * max(num_readers, 1)
+        size = self._header_bytes + num_slots * slot_bytes
+        with open(self.path, "w+b") as f:
+            f.truncate(size)
+            self.ring = mmap.mmap(f.fileno(), size)
+        self.read_seq = np.frombuffer(self.ring, dtype=np.int64, count=max(num_readers, 1))
+        self.read_seq[:] = 0
+        self.listener = socket.create_server((host, 0))
+        port = self.listener.getsockname()[1]
+        store.set(f"{name}/mq", json.dumps({"host": host, "port": port, "path": str(self.path),
+                                             "num_slots": num_slots, "slot_bytes": slot_bytes,
+                                             "num_readers": num_readers}))
+        self.readers: list[tuple[socket.socket, bool]] = [None] * num_readers  # (socket, reads the ring)
+        self.listener.settimeout(timeout_s)
+        for _ in range(num_readers):
+            sock, _ = self.listener.accept()
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            index, local = struct.unpack("<qq", _recv_exactly(sock, 16))
+            self.readers[index] = (sock, bool(local))
+        self.listener.close()
+
+    def enqueue(self, obj: Any) -> None:
+        """Broadcast `obj`; raises BrokenPipeError/ConnectionError if a reader is gone."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        self.seq += 1
+        in_ring = len(data) <= self.slot_bytes and any(local for _, local in self.readers)
+        if in_ring:
+            self._wait_for_slot()
+            offset = self._header_bytes + (self.seq % self.num_slots) * self.slot_bytes
+            self.ring[offset : offset + len(data)] = data
+        for sock, local in self.readers:
+            shared = in_ring and local
+            sock.sendall(_HEADER.pack(self.seq, len(data), int(shared)) + (b"" if shared else data))
+
+    def _wait_for_slot(self) -> None:
+        # The slot last held message seq - num_slots; every local reader must have read it.
+        oldest = self.seq - self.num_slots
+        local = [i for i, (_, is_local) in enumerate(self.readers) if is_local]
+        while any(self.read_seq[i] < oldest for i in local):
+            time.sleep(0.0002)  # rare: only when a reader lags num_slots messages
+
+    def close(self) -> None:
+        for reader in self.readers:
+            if reader is not None:
+                reader[0].close()
+        self.read_seq = None
+        self.ring.close()
+        self.path.unlink(missing_ok=True)
+
+
+class MessageQueueReader:
+    def __init__(self, store: dist.Store, name: str, index: int) -> None:
+        info = json.loads(store.get(f"{name}/mq"))
+        self.index = index
+        self.num_slots, self.slot_bytes = info["num_slots"], info["slot_bytes"]
+        self.ring = None
+        try:
+            with open(info["path"], "r+b") as f:
+                self.ring = mmap.mmap(f.fileno(), 0)
+        except FileNotFoundError:  # another host: payloads come over the socket
+            pass
+        self._header_bytes = 8 * max(info["num_readers"], 1)
+        self.read_seq = None if self.ring is None else np.frombuffer(self.ring, dtype=np.int64, count=max(info["num_readers"], 1))
+        self.sock = socket.create_connection((info["host"], info["port"]))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.sendall(struct.pack("<qq", index, int(self.ring is not None)))
+
+    def dequeue(self) -> Any:
+        """The next message; blocks until it comes. Raises EOFError when the writer is gone."""
+        seq, size, in_ring = _HEADER.unpack(_recv_exactly(self.sock, _HEADER.size))
+        if in_ring:
+            offset = self._header_bytes + (seq % self.num_slots) * self.slot_bytes
+            data = self.ring[offset : offset + size]
+            self.read_seq[self.index] = seq
+        else:
+            data = _recv_exactly(self.sock, size)
+        return pickle.loads(data)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.read_seq = None
+        if self.ring is not None:
+            self.ring.close()

@@ -1,0 +1,200 @@
+"""Where a rank sits in the engine's grid of ranks, and the collectives of its groups.
+
+Ranks are laid out as vLLM lays them out: global rank = pp_rank * tp_size + tp_rank. A tensor-parallel
+group is the ranks of one pipeline stage; a pipeline group is the ranks holding the same TP slot in every
+stage. Groups are process-group objects of their own (gloo on CPU, NCCL on GPU) rendezvousing through
+one TCPStore under the engine's unique prefix, never torch.distributed's global default group: several
+engines (tests, replicas sharing a host) can live in one process and on one host.
+
+Layers take their groups while they are built (`parallel_groups(...)` sets them for the duration) and
+keep them; a single-rank engine builds under the default groups of one, whose collectives return their
+input and touch nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def output_rank(self) -> int:
+        """The rank that gets full logits and samples: TP rank 0 of the last stage (vLLM's output rank)."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tensor_parallel_size
+
+    def pp_rank(self, rank: int) -> int:
+        return rank // self.tensor_parallel_size
+
+    def tp_ranks(self, pp_rank: int) -> list[int]:
+        tp = self.tensor_parallel_size
+        return list(range(pp_rank * tp, (pp_rank + 1) * tp))
+
+    def pp_ranks(self, tp_rank: int) -> list[int]:
+        return [s * self.tensor_parallel_size + tp_rank for s in range(self.pipeline_parallel_size)]
+
+
+class GroupCoordinator:
+    """One process group seen from one member: its rank in the group and the collectives over it."""
+
+    def __init__(self, ranks: list[int], global_rank: int, group: dist.ProcessGroup | None) -> None:
+        self.ranks = ranks
+        self.global_rank = global_rank
+        self.rank_in_group = ranks.index(global_rank)
+        self.group = group  # None for a group of one: nothing to talk to
+        self.busy_s = 0.0  # time spent in this group's collectives and receives (benchmarks read it)
+        # Point-to-point waits take it explicitly (gloo's receive would otherwise wait forever).
+        self.timeout = datetime.timedelta(minutes=30)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank_in_group == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank_in_group == self.size - 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            start = time.perf_counter()
+            self.group.allreduce([x]).wait()
+            self.busy_s += time.perf_counter() - start
+        return x
+
+    def all_reduce_min(self, value: int) -> int:
+        if self.group is None:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        self.group.allreduce([t], _min_options()).wait()
+        return int(t.item())
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self.group is None:
+            return x
+        parts = [torch.empty_like(x) for _ in self.ranks]
+        self.group.allgather([parts], [x.contiguous()]).wait()
+        return torch.cat(parts, dim=dim)
+
+    def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        """Every member's `x` concatenated along `dim` on the group's first rank; None elsewhere."""
+        if self.group is None:
+            return x
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        start = time.perf_counter()
+        parts = [torch.empty_like(x) for _ in self.ranks] if self.is_first else None
+        self.group.gather([parts] if parts is not None else [], [x.contiguous()], opts).wait()
+        self.busy_s += time.perf_counter() - start
+        return torch.cat(parts, dim=dim) if parts is not None else None
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self.timeout = timeout
+        if self.group is not None:
+            self.group.set_timeout(timeout)
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            self.group.allreduce([torch.zeros(1)]).wait()
+
+    def send(self, tensors: list[torch.Tensor], dst_in_group: int) -> list[dist.Work]:
+        """Start sending; the caller waits on the returned works (with `self.timeout`) before reusing the
+        tensors."""
+        return [self.group.send([t.contiguous()], dst_in_group, i) for i, t in enumerate(tensors)]
+
+    def recv(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, src_in_group: int, device: torch.device) -> list[torch.Tensor]:
+        start = time.perf_counter()
+        out = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
+        for i, t in enumerate(out):
+            self.group.recv([t], src_in_group, i).wait(self.timeout)
+        self.busy_s += time.perf_counter() - start
+        return out
+
+
+def _min_options() -> dist.AllreduceOptions:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    return opts
+
+
+@dataclass
+class ParallelGroups:
+    world: GroupCoordinator
+    tp: GroupCoordinator
+    pp: GroupCoordinator
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        for group in (self.world, self.tp, self.pp):
+            group.set_timeout(timeout)
+
+
+_SINGLE = GroupCoordinator([0], 0, None)
+_current = ParallelGroups(_SINGLE, _SINGLE, _SINGLE)
+
+
+def get_world_group() -> GroupCoordinator:
+    return _current.world
+
+
+def get_tp_group() -> GroupCoordinator:
+    return _current.tp
+
+
+def get_pp_group() -> GroupCoordinator:
+    return _current.pp
+
+
+@contextlib.contextmanager
+def parallel_groups(groups: ParallelGroups) -> Iterator[None]:
+    """Build layers under these groups (they keep the ones current when they were built)."""
+    global _current
+    previous, _current = _current, groups
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def _new_group(store: dist.Store, name: str, ranks: list[int], rank: int, backend: str,
+               timeout: datetime.timedelta) -> GroupCoordinator:
+    if len(ranks) == 1:
+        return GroupCoordinator(ranks, rank, None)
+    prefixed = dist.PrefixStore(name, store)
+    index = ranks.index(rank)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(prefixed, index, len(ranks), options)
+    else:
+        group = dist.ProcessGroupGloo(prefixed, index, len(ranks), timeout)
+    return GroupCoordinator(ranks, rank, group)
+
+
+def init_parallel_groups(layout: ParallelLayout, rank: int, store: dist.Store, backend: str,
+                         timeout: datetime.timedelta) -> ParallelGroups:
+    """Create this rank's world, TP and PP groups; every rank of the engine calls this once, and each
+    group connects only its own members."""
+    tp_rank, pp_rank = layout.tp_rank(rank), layout.pp_rank(rank)
+    world = _new_group(store, "world", list(range(layout.world_size)), rank, backend, timeout)
+    tp = _new_group(store, f"tp{pp_rank}", layout.tp_ranks(pp_rank), rank, backend, timeout)
+    pp = _new_group(store, f"pp{tp_rank}", layout.pp_ranks(tp_rank), rank, backend, timeout)
+    return ParallelGroups(world, tp, pp)

@@ -1,0 +1,63 @@
+"""ModelInput: what every rank needs to run one step's forward, and nothing about requests.
+
+The driver builds it from the scheduled requests (token ids, positions, block tables, slot mapping, the
+rows whose logits the sampler needs) as flat numpy arrays, so that it pickles small and fast and the
+other ranks keep no request state at all."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels.attention import AttentionMetadata
+
+
+@dataclass
+class ModelInput:
+    input_ids: np.ndarray  # int64 [num_tokens]
+    positions: np.ndarray  # int64 [num_tokens]
+    query_start_loc: np.ndarray  # int64 [num_seqs + 1]
+    seq_lens: np.ndarray  # int64 [num_seqs]
+    num_decodes: int  # the leading single-token sequences
+    # int32 [num_seqs, max_blocks]; columns past a sequence's blocks may hold stale ids: attention never
+    # reads past seq_lens.
+    block_tables: np.ndarray
+    slot_mapping: np.ndarray  # int64 [num_tokens]
+    logit_rows: np.ndarray  # int64: token rows whose logits are needed, in the sampler's order
+
+    @classmethod
+    def build(cls, input_ids: list[int], starts: list[int], q_lens: list[int], block_tables: np.ndarray,
+              block_size: int, logit_rows: list[int] | None = None) -> ModelInput:
+        """Positions and slots of every token, vectorised over the batch (sequence i computes q_lens[i]
+        tokens from position starts[i] on, its KV in the blocks of block_tables[i])."""
+        num_seqs = len(q_lens)
+        num_decodes = next((i for i, n in enumerate(q_lens) if n != 1), num_seqs)
+        q_lens_np = np.asarray(q_lens, dtype=np.int64)
+        starts_np = np.asarray(starts, dtype=np.int64)
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens_np, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        token_seq = np.repeat(np.arange(num_seqs), q_lens_np)
+        positions = np.arange(num_tokens) - query_start_loc[token_seq] + starts_np[token_seq]
+        slot_mapping = block_tables[token_seq, positions // block_size] * block_size + positions % block_size
+        return cls(np.asarray(input_ids, dtype=np.int64), positions, query_start_loc, starts_np + q_lens_np,
+                   num_decodes, block_tables, slot_mapping.astype(np.int64),
+                   np.asarray(logit_rows if logit_rows is not None else [], dtype=np.int64))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def attention_metadata(self, device: torch.device) -> AttentionMetadata:
+        return AttentionMetadata(
+            num_tokens=self.num_tokens,
+            num_decodes=self.num_decodes,
+            query_start_loc_cpu=self.query_start_loc.tolist(),
+            seq_lens_cpu=self.seq_lens.tolist(),
+            query_start_loc=torch.from_numpy(self.query_start_loc).to(device, torch.int32),
+            seq_lens=torch.from_numpy(self.seq_lens).to(device, torch.int32),
+            block_tables=torch.from_numpy(self.block_tables).to(device, torch.int32),
+            slot_mapping=torch.from_numpy(self.slot_mapping).to(device),
+        )

@@ -1,0 +1,196 @@
+"""Worker: one rank's part of the engine's model, its attention backend and its KV cache.
+
+Every rank runs the same forward on the same ModelInput: its heads and MLP slice under tensor
+parallelism, its layers under pipeline parallelism (receiving the previous stage's hidden states and
+residual, sending its own on). Only the driver's worker, TP rank 0 of the last stage, returns logits.
+`run_worker` is the whole life of a rank other than the driver's, in a process of its own (spawned by
+the multiproc launcher, or a Ray actor of the serving app)."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.distributed import ParallelGroups, ParallelLayout, init_parallel_groups, parallel_groups
+from engine.distributed.message_queue import MessageQueueReader
+from engine.executor.model_input import ModelInput
+from engine.model_spec import ModelSpec
+from engine.models.loader import build_model, weight_bytes
+from kernels.attention import get_attention_backend
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_CACHE_GB = 2.0
+# Setting up waits for the slowest rank to load its weights (minutes for a large model from network
+# storage); steps then run under the engine's step_timeout_s.
+INIT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """How the ranks of one engine find each other: a TCPStore (hosted by whoever launched the workers)
+    and a name unique to the engine, prefixing every key and shared-memory file."""
+
+    host: str
+    port: int
+    name: str
+    layout: ParallelLayout
+    timeout_s: float  # a step's collectives; a peer silent this long is dead
+    driver_device_index: int = 0  # the driver's GPU on its host (CUDA only)
+
+    def connect(self) -> dist.Store:
+        """The store, scoped to this engine's name."""
+        store = dist.TCPStore(self.host, self.port, is_master=False, timeout=INIT_TIMEOUT)
+        return dist.PrefixStore(self.name, store)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device,
+                 groups: ParallelGroups | None = None) -> None:
+        self.config, self.spec, self.device = config, spec, device
+        self.groups = groups
+        load_format = "safetensors" if config.load_format == "auto" else config.load_format
+        if groups is None:
+            self.model = build_model(spec.model_config, spec.path, load_format, spec.dtype, device, config.seed,
+                                     config.max_num_seqs)
+        else:
+            with parallel_groups(groups):
+                self.model = build_model(spec.model_config, spec.path, load_format, spec.dtype, device,
+                                         config.seed, config.max_num_seqs)
+        self.pp = groups.pp if groups is not None else None
+        self.attn_backend = None
+        self._sends: list = []  # in-flight sends to the next stage, with the tensors they read
+
+    @property
+    def weight_bytes(self) -> int:
+        return weight_bytes(self.model)
+
+    def kv_bytes_per_block(self) -> int:
+        layer = self.model.attention_layers[0]
+        elem = torch.empty(0, dtype=self.spec.dtype).element_size()
+        return 2 * len(self.model.attention_layers) * layer.num_kv_heads * layer.head_dim * self.config.block_size * elem
+
+    def num_kv_blocks(self, extra_bytes_per_block: int = 0) -> int:
+        """KV blocks this rank's budget holds (per rank: `kv_cache_memory_gb` is each rank's budget)."""
+        config = self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        if config.kv_cache_memory_gb is not None:
+            budget = config.kv_cache_memory_gb * 2**30
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = total * config.gpu_memory_utilization - used
+            if budget <= 0:
+                raise ValueError(
+                    f"gpu_memory_utilization: {config.gpu_memory_utilization} leaves no room for the KV cache "
+                    f"({used / 2**30:.1f} GiB already in use); raise it or set kv_cache_memory_gb"
+                )
+        else:
+            budget = _CPU_KV_CACHE_GB * 2**30
+        # No point holding more than every running request at full length could use.
+        ceiling = config.max_num_seqs * -(-self.spec.max_model_len // config.block_size) + 1
+        return min(int(budget // (self.kv_bytes_per_block() + extra_bytes_per_block)), ceiling)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        layer = self.model.attention_layers[0]
+        backend_cls = get_attention_backend(self.config.attention_backend, self.device.type)
+        self.attn_backend = backend_cls(layer.num_heads, layer.num_kv_heads, layer.head_dim, self.config.block_size,
+                                        num_blocks, self.spec.dtype, self.device)
+        # Zeroed, not empty: padded gathers read unwritten slots, and garbage could hold NaNs.
+        for attn in self.model.attention_layers:
+            attn.kv_cache = torch.zeros(self.attn_backend.kv_cache_shape(), dtype=self.spec.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
+        """Run this rank's part of the step; the logits of `inp.logit_rows` on the driver, else None."""
+        for work in self._sends:  # the previous step's hidden states must have left before new ones do
+            work.wait(self.pp.timeout)
+        self._sends = []
+        dev = self.device
+        self.attn_backend.plan(inp.attention_metadata(dev))
+        input_ids = torch.from_numpy(inp.input_ids).to(dev)
+        positions = torch.from_numpy(inp.positions).to(dev)
+        intermediate = None
+        pp = self.pp
+        if pp is not None and not pp.is_first:
+            shape = (inp.num_tokens, self.spec.model_config.hidden_size)
+            intermediate = tuple(pp.recv([shape, shape], self.spec.dtype, pp.rank_in_group - 1, dev))
+        out = self.model(input_ids, positions, self.attn_backend, intermediate)
+        if pp is not None and not pp.is_last:
+            self._sends = pp.send(list(out), pp.rank_in_group + 1)
+            return None
+        if not len(inp.logit_rows):
+            return None
+        return self.model.compute_logits(out[torch.from_numpy(inp.logit_rows).to(dev)])
+
+
+def threads_per_rank(config: EngineConfig, ranks_on_host: int) -> int:
+    """`num_threads` is per rank; by default the host's cores are shared out among its ranks."""
+    return config.num_threads or max(1, (os.cpu_count() or 1) // ranks_on_host)
+
+
+def init_rank(config: EngineConfig, spec: ModelSpec, rendezvous: Rendezvous, rank: int, device: torch.device,
+              store: dist.Store, extra_bytes_per_block: int = 0) -> Worker:
+    """Join the engine's groups, build this rank's part of the model and its KV cache. Every rank runs
+    these collectives in this order: groups, then the KV block count (the smallest budget wins)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    groups = init_parallel_groups(rendezvous.layout, rank, store, backend, INIT_TIMEOUT)
+    worker = Worker(config, spec, device, groups)
+    store.set(f"weight_bytes/{rank}", str(worker.weight_bytes))
+    num_blocks = groups.world.all_reduce_min(worker.num_kv_blocks(extra_bytes_per_block))
+    if num_blocks < 2:
+        raise ValueError("kv_cache_memory_gb: the budget holds less than 2 KV blocks on some rank; raise it")
+    worker.init_kv_cache(num_blocks)
+    groups.set_timeout(datetime.timedelta(seconds=rendezvous.timeout_s))
+    return worker
+
+
+def run_worker(config: EngineConfig, rendezvous: Rendezvous, rank: int, device_index: int, ranks_on_host: int) -> None:
+    """The life of a non-driver rank: set up, then run every broadcast step until told to stop or the
+    driver goes away. A failure is written to the store under `error/<rank>` for the driver to report."""
+    torch.set_num_threads(threads_per_rank(config, ranks_on_host))  # Ray gives thread-less actors one thread
+    store = rendezvous.connect()
+    try:
+        spec = ModelSpec.resolve(config)
+        device = torch.device("cuda", device_index) if spec.device_type == "cuda" else torch.device("cpu")
+        worker = init_rank(config, spec, rendezvous, rank, device, store)
+        queue = MessageQueueReader(store, step_queue_name(rendezvous), reader_index(rendezvous.layout, rank))
+        while True:
+            kind, payload = queue.dequeue()
+            if kind == "stop":
+                break
+            worker.execute_model(payload)
+    except EOFError:
+        logger.info("rank %d: the driver is gone; exiting", rank)
+    except BaseException as e:
+        logger.exception("rank %d failed", rank)
+        try:
+            store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
+        except Exception:  # noqa: BLE001 - the store may be gone with the driver
+            pass
+        raise
+
+
+def reader_index(layout: ParallelLayout, rank: int) -> int:
+    """The step queue's readers are the ranks other than the driver, in rank order."""
+    return rank if rank < layout.output_rank else rank - 1
+
+
+def step_queue_name(rendezvous: Rendezvous) -> str:
+    return f"{rendezvous.name}-step"  # also its shared-memory file's name: unique per engine
+
+
+def rank_error(store: dist.Store | None, rendezvous: Rendezvous | None, rank: int) -> str | None:
+    """The error a failed rank left in the store (launchers hold the store's master), if any."""
+    key = f"{rendezvous.name}/error/{rank}" if rendezvous is not None else ""
+    try:
+        return store.get(key).decode() if store is not None and store.check([key]) else None
+    except Exception:  # noqa: BLE001 - the store is closing
+        return None

@@ -1,0 +1,79 @@
+"""ModelSpec: the model an engine runs and how, resolved once from its EngineConfig: the checkpoint
+folder, the architecture's facts, device, dtype and context length. Every rank of a multi-device engine
+resolves the same spec from the same config; the checks that a model can be split the way the config
+asks live here, where the model meets the config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.input_processor import resolve_max_model_len
+from engine.models.config import ModelConfig
+from engine.models.loader import resolve_model_path
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_config: ModelConfig
+    path: Path
+    dtype: torch.dtype
+    device_type: str  # cpu or cuda
+    max_model_len: int
+
+    @classmethod
+    def resolve(cls, config: EngineConfig) -> ModelSpec:
+        path = resolve_model_path(config.model, config.revision)
+        model_config = ModelConfig.from_pretrained(path)
+        device_type = resolve_device_type(config.device)
+        check_parallel_layout(config, model_config, device_type)
+        dtype = resolve_dtype(config.dtype, model_config, device_type)
+        return cls(model_config, path, dtype, device_type, resolve_max_model_len(config, model_config))
+
+
+def resolve_device_type(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda requested but torch sees no GPU; use device='cpu'")
+    return device
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig, device_type: str) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    checkpoint = _DTYPES.get(str(cfg.torch_dtype).removeprefix("torch."), torch.float32)
+    if checkpoint is torch.float16 and device_type == "cpu":
+        return torch.float32  # CPU float16 matmuls are slow
+    return checkpoint
+
+
+def check_parallel_layout(config: EngineConfig, cfg: ModelConfig, device_type: str) -> None:
+    """Refuse a split the model cannot take, naming the field and what would work."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    if heads % tp:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide num_attention_heads={heads}; "
+                         f"use one of {_divisors(heads)}")
+    if (tp % kv_heads if tp >= kv_heads else kv_heads % tp):
+        raise ValueError(f"tensor_parallel_size: {tp} must divide num_key_value_heads={kv_heads} or be a multiple "
+                         f"of it (KV heads are split, or replicated when ranks outnumber them)")
+    if cfg.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide intermediate_size={cfg.intermediate_size}")
+    if pp > cfg.num_hidden_layers:
+        raise ValueError(f"pipeline_parallel_size: {pp} stages for a model of {cfg.num_hidden_layers} layers; "
+                         f"use at most {cfg.num_hidden_layers}")
+    if device_type == "cuda" and config.distributed_executor_backend in (None, "mp", "uni"):
+        if tp * pp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size: {tp} x {pp} ranks, but torch sees "
+                             f"{torch.cuda.device_count()} GPU(s) on this host; lower them or use the ray backend "
+                             "across hosts")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,134 @@
+"""Tensor and pipeline parallelism on CPU (gloo, worker processes): greedy tokens equal Hugging Face's
+and the single-rank engine's (tests/parity.py), in every scheduler mode of the parity tests; logprobs
+within 1e-4 of one rank; KV heads replicated when ranks outnumber them; each rank holds its share of the
+weights; the sampling surface, structured outputs and speculative decoding work across ranks.
+
+To keep CI short, one engine per (architecture, layout) runs every scheduler mode: the modes differ only
+on the driver (the scheduler and its block pool), so each mode gets a fresh scheduler over the same ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import LLM, SamplingParams, StructuredOutputsParams
+from tests.engine.test_hf_parity import GREEDY, NEW_TOKENS, PROMPTS, VARIANTS
+from tests.parity import assert_tokens_match, hf_greedy
+
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
+POOL = dict(dtype="float32", num_kv_blocks=512, max_num_seqs=16, max_model_len=400)
+
+
+def _engine(path: str, tp: int, pp: int, **kwargs) -> LLM:
+    return LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **{**POOL, **kwargs})
+
+
+def _use_variant(llm: LLM, overrides: dict) -> None:
+    """A fresh scheduler (and block pool) configured like an engine built with `overrides`."""
+    engine = llm.llm_engine
+    engine.step()  # idle: hands the finished requests' ids to the model runner, which forgets them
+    engine.config = engine.config.model_copy(update=overrides)
+    engine.max_num_batched_tokens = engine._resolve_max_num_batched_tokens()
+    engine.scheduler = engine._build_scheduler(engine.config.num_kv_blocks)
+
+
+def _check_modes(path: str, llm: LLM, variants: list[str]) -> None:
+    for variant in variants:
+        _use_variant(llm, {**POOL, **VARIANTS[variant]})
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        for prompt, out in zip(PROMPTS, outs):
+            assert_tokens_match(out.outputs[0].token_ids, *hf_greedy(path, prompt, NEW_TOKENS),
+                                what=f"{variant}, prompt of {len(prompt)} tokens")
+        if variant == "preemption":
+            assert llm.llm_engine.scheduler.num_preemptions > 0
+        pool = llm.llm_engine.scheduler.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_usable_blocks
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen2"])
+def test_parallel_greedy_parity(arch, layout, hf_checkpoint):
+    path = str(hf_checkpoint(arch))
+    llm = _engine(path, *LAYOUTS[layout])
+    try:
+        _check_modes(path, llm, list(VARIANTS) if arch in ("llama", "qwen3") else ["default"])
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_parallel_logprobs_match_one_rank(arch, hf_checkpoint):
+    path = str(hf_checkpoint(arch))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=2)
+    one = _engine(path, 1, 1).generate(PROMPTS[:3], params, use_tqdm=False)
+    llm = _engine(path, 2, 2)
+    try:
+        outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for ref, out in zip(one, outs):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        for ours, theirs in zip(out.outputs[0].logprobs + out.prompt_logprobs[1:],
+                                ref.outputs[0].logprobs + ref.prompt_logprobs[1:]):
+            assert ours.keys() == theirs.keys()
+            for token, lp in theirs.items():
+                assert ours[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
+
+
+def test_tp4_replicates_kv_heads(hf_checkpoint):
+    path = str(hf_checkpoint("llama"))  # 4 attention heads, 2 KV heads: each KV head on 2 ranks
+    llm = _engine(path, 4, 1)
+    try:
+        attn = llm.llm_engine.model_runner.model.attention_layers[0]
+        assert (attn.num_heads, attn.num_kv_heads, attn.qkv_proj.num_kv_head_replicas) == (1, 1, 2)
+        _check_modes(path, llm, ["default"])
+    finally:
+        llm.shutdown()
+
+
+def test_tp2_halves_weight_bytes_per_rank(hf_checkpoint):
+    path = str(hf_checkpoint("qwen2"))
+    one = _engine(path, 1, 1).llm_engine.model_runner.executor.weight_bytes_per_rank()[0]
+    llm = _engine(path, 2, 1)
+    try:
+        per_rank = llm.llm_engine.model_runner.executor.weight_bytes_per_rank()
+    finally:
+        llm.shutdown()
+    assert len(per_rank) == 2 and max(per_rank.values()) <= 0.55 * one, (per_rank, one)
+
+
+def test_parallel_sampling_structured_and_speculative(hf_checkpoint):
+    """Seeded sampling, penalties, a JSON schema and n-gram speculation behave on TP=2 x PP=2 as on one rank."""
+    path = str(hf_checkpoint("qwen3"))
+    prompts = PROMPTS[:4]
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, presence_penalty=0.5, max_tokens=12,
+                             ignore_eos=True, n=2)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    constrained = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
+    speculative = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    one, one_spec = _engine(path, 1, 1), _engine(path, 1, 1, **speculative)
+    llm, spec = _engine(path, 2, 2), _engine(path, 2, 2, **speculative)
+    try:
+        for a, b in zip(one.generate(prompts, sampled, use_tqdm=False), llm.generate(prompts, sampled, use_tqdm=False)):
+            assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        out = llm.generate(prompts[:1], constrained, use_tqdm=False)[0].outputs[0]
+        assert isinstance(json.loads(out.text)["a"], int)
+        for a, b in zip(one_spec.generate(prompts, GREEDY, use_tqdm=False), spec.generate(prompts, GREEDY, use_tqdm=False)):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert spec.llm_engine.get_stats().spec_decode_num_drafts > 0
+    finally:
+        llm.shutdown()
+        spec.shutdown()
+
+
+def test_unsplittable_models_are_refused_naming_the_field(hf_checkpoint):
+    path = str(hf_checkpoint("llama"))  # 4 heads, 2 KV heads, 2 layers
+    with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide num_attention_heads=4"):
+        LLM(path, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="pipeline_parallel_size: 3 stages for a model of 2 layers"):
+        LLM(path, pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match="distributed_executor_backend: 'uni' runs one rank"):
+        LLM(path, tensor_parallel_size=2, distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match="distributed_executor_backend: 'ray'"):
+        LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray")

@@ -1,0 +1,63 @@
+"""The oracle of every parity test (dense, parallel, MoE, quantized, LoRA): Hugging Face transformers'
+greedy decoding on the same weights, and the one rule by which our tokens may differ from its tokens.
+
+The rule: tokens must be equal, except that at the first position where they differ, Hugging Face's
+top-2 logits may be closer than `tie_threshold` (the two candidates are tied up to float summation
+order, which a different matmul, a sharded reduction or a quantized kernel legitimately changes) and our
+token must be its runner-up. After such a tie the two continuations are different texts and are not
+compared further. A test states its threshold; 1e-4 for float32 dense models."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+TIE_THRESHOLD = 1e-4
+
+
+@cache
+def hf_model(path: str, dtype: torch.dtype = torch.float32, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()
+
+
+def hf_greedy(path: str, prompt: list[int], n: int, **model_kwargs) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and each step's log_softmax, one prompt at a time (no padding). Cached: the parity
+    tests of several files ask for the same references; callers must not modify them."""
+    return _hf_greedy(path, tuple(prompt), n, **model_kwargs)
+
+
+@cache
+@torch.inference_mode()
+def _hf_greedy(path: str, prompt: tuple[int, ...], n: int, **model_kwargs) -> tuple[list[int], list[torch.Tensor]]:
+    model = hf_model(path, **model_kwargs)
+    out = model(torch.tensor([list(prompt)]), use_cache=True)
+    tokens, logprobs = [], []
+    for _ in range(n):
+        lp = out.logits[0, -1].float().log_softmax(-1)
+        token = int(lp.argmax())
+        tokens.append(token)
+        logprobs.append(lp)
+        out = model(torch.tensor([[token]]), cache=out.cache, use_cache=True)
+    return tokens, logprobs
+
+
+def assert_tokens_match(
+    ours: list[int], reference: list[int], reference_logprobs: list[torch.Tensor],
+    tie_threshold: float = TIE_THRESHOLD, what: str = "",
+) -> int | None:
+    """Assert the rule above; returns the position of a tolerated tie, or None when all tokens are equal."""
+    assert len(ours) == len(reference), f"{what}: {len(ours)} tokens, the reference has {len(reference)}"
+    for i, (a, b) in enumerate(zip(ours, reference)):
+        if a == b:
+            continue
+        values, ids = reference_logprobs[i].topk(2)
+        gap = float(values[0] - values[1])
+        assert gap < tie_threshold and a == int(ids[1]), (
+            f"{what}: token {i} is {a}, the reference's is {b}; its top-2 are {ids.tolist()} with a gap of "
+            f"{gap:.2e}, which is no tie (threshold {tie_threshold:.0e})"
+        )
+        return i
+    return None
