@@ -117,16 +117,16 @@ class SimReplica:
                 raise RuntimeError(f"{self.replica_id}: a waiting request can never fit in the KV cache")
             return None
         prefill = decode = 0
-        pairs = 0.0
+        pairs = context = 0.0
         for request, n in zip(out.requests, out.num_scheduled_tokens):
             if n == 1 and request.num_output_tokens and request.num_computed_tokens == request.num_tokens - 1:
                 decode += 1
-                pairs += request.num_tokens
+                context += request.num_tokens
             else:
                 prefill += n
                 pairs += prefill_pairs(n, request.num_computed_tokens)
         self._step, self.in_step = out, True
-        duration = self.cost.step_time(prefill, decode, pairs)
+        duration = self.cost.step_time(prefill, decode, pairs, context)
         self.busy_s += duration
         self.num_steps += 1
         return duration
