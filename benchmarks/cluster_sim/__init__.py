@@ -10,4 +10,5 @@ periodic, stale replica reports and their own history. See reference/routing_aut
 
     python -m benchmarks.cluster_sim.fit [--refit]     # the step-time model (cached in step_cost.json)
     python benchmarks/simulate.py                      # every table
+    python benchmarks/simulate_pd.py                   # disaggregated prefill/decode (pd.py)
 """

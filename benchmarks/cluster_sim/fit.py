@@ -59,6 +59,12 @@ class StepCostModel:
                 + self.delta_prefill * prefill_pairs + self.delta_decode * decode_context)
 
 
+# Issue 15's GPU-shaped model: an 8B model on one GPU, where a step is weight-bound and attention is cheap
+# next to the matrices at these lengths, so only the three alpha-beta terms. Not fitted: stated.
+GPU_8B = StepCostModel(alpha=5e-3, beta=1e-4, gamma=1e-4,
+                       source="GPU-shaped 8B (issue 15): 5 ms + 0.1 ms/prefill token + 0.1 ms/decoding request")
+
+
 def prefill_pairs(new_tokens: int, computed: int) -> float:
     return new_tokens * (computed + (new_tokens + 1) / 2)
 

@@ -8,6 +8,12 @@ prompt blocks once computed, free on finish tail-first, LRU eviction of freed bl
 Only the model is replaced: each step's duration comes from the fitted step-cost model, and the sampled
 token is the one the workload says the model answers.
 
+A decode replica of a disaggregated (P/D) fleet also takes requests whose prompt KV is computed elsewhere
+(`reserve_remote`, then `activate_remote`), as vLLM's KV connector does: blocks for the prompt are
+allocated first (after this replica's own prefix-cache hit), the KV is pulled into them, and then the
+request runs with every prompt token but the last computed; the last one is recomputed here, and its
+logits give the first token.
+
 A replica is `starting` (cold start: it takes no requests), `running`, `draining` (chosen to stop: it
 takes no new requests and stops when its streams have finished) or `stopped`."""
 
@@ -49,6 +55,7 @@ class Done:
 
 @dataclass(frozen=True)
 class StepResult:
+    tokens: list[SimRequest]  # every request that got a token in this step (first ones included)
     first_tokens: list[SimRequest]
     finished: list[Done]
 
@@ -70,6 +77,8 @@ class SimReplica:
         self._step: SchedulerOutput | None = None
         self._requests: dict[str, tuple[SimRequest, Request]] = {}
         self.inflight_blocks: Counter[BlockHash] = Counter()  # prompt blocks of accepted requests (oracle)
+        self._loading: dict[str, Request] = {}  # remote prefills: blocks allocated, KV on its way
+        self._loaded: list[Request] = []  # remote prefills whose KV arrived: join the running set next step
         self.busy_s = 0.0
         self.num_steps = 0
 
@@ -107,26 +116,65 @@ class SimReplica:
         self.inflight_blocks.update(sim.block_hashes(self.config.block_size))
         self.scheduler.add_request(request)
 
+    def reserve_remote(self, sim: SimRequest, now: float) -> int | None:
+        """Take a request whose prompt is prefilled on another replica: allocate its blocks now (after the
+        prefix this replica already caches, which need not travel). Returns the prompt tokens whose KV must
+        be pulled, or None when the pool is short of blocks (the caller retries after a step frees some)."""
+        assert self.state == "running", f"{self.replica_id} is {self.state}"
+        request = Request(sim.request_id, sim.prompt, _PARAMS, len(sim.output), self.config.block_size,
+                          arrival_time=now)
+        hit = self.kv.get_computed_blocks(request)
+        num_hit = len(hit) * self.config.block_size
+        if not self.kv.allocate_slots(request, request.num_tokens - num_hit, hit):
+            self.kv.free(request)  # allocate_slots registered the request before it found the pool short
+            return None
+        request.num_cached_tokens = num_hit
+        self.kv.record_prefix_hit(request, num_hit)
+        self._requests[sim.request_id] = (sim, request)
+        self.inflight_blocks.update(sim.block_hashes(self.config.block_size))
+        self._loading[sim.request_id] = request
+        return request.num_tokens - num_hit
+
+    def activate_remote(self, request_id: str) -> None:
+        """The prompt's KV has arrived: every prompt token but the last counts as computed (vLLM recomputes
+        the last one on the decode side), the full blocks enter the prefix cache, and the request joins the
+        running set at the next step."""
+        request = self._loading.pop(request_id)
+        request.num_computed_tokens = request.num_tokens - 1
+        self.kv.cache_computed_blocks(request)
+        self._loaded.append(request)
+
+    def _admit_loaded(self) -> None:
+        """Loaded requests enter the running set (as vLLM's WAITING_FOR_REMOTE_KVS requests do once their KV
+        is in), within max_num_seqs; they need one token of budget each."""
+        sched = self.scheduler
+        while self._loaded and len(sched.running) < sched.max_num_seqs:
+            request = self._loaded.pop(0)
+            request.status = RequestStatus.RUNNING
+            sched.requests[request.request_id] = request
+            sched.running.append(request)
+
     def start_step(self) -> float | None:
         """Schedule one step; returns its duration, or None when there is nothing to run."""
         if not self._requests:
             return None
+        self._admit_loaded()
         out = self.scheduler.schedule()
         if out.is_empty:
-            if not self.scheduler.running:
+            if not self.scheduler.running and not self._loading and not self._loaded:
                 raise RuntimeError(f"{self.replica_id}: a waiting request can never fit in the KV cache")
             return None
         prefill = decode = 0
-        pairs = 0.0
+        pairs = context = 0.0
         for request, n in zip(out.requests, out.num_scheduled_tokens):
             if n == 1 and request.num_output_tokens and request.num_computed_tokens == request.num_tokens - 1:
                 decode += 1
-                pairs += request.num_tokens
+                context += request.num_tokens
             else:
                 prefill += n
                 pairs += prefill_pairs(n, request.num_computed_tokens)
         self._step, self.in_step = out, True
-        duration = self.cost.step_time(prefill, decode, pairs)
+        duration = self.cost.step_time(prefill, decode, pairs, context)
         self.busy_s += duration
         self.num_steps += 1
         return duration
@@ -134,6 +182,7 @@ class SimReplica:
     def finish_step(self) -> StepResult:
         out, self._step, self.in_step = self._step, None, False
         sampled: list[int | None] = []
+        tokens: list[SimRequest] = []
         first: list[SimRequest] = []
         for request, n in zip(out.requests, out.num_scheduled_tokens):
             if request.num_computed_tokens + n < request.num_tokens:
@@ -141,6 +190,7 @@ class SimReplica:
                 continue
             sim = self._requests[request.request_id][0]
             sampled.append(sim.output[request.num_output_tokens])
+            tokens.append(sim)
             if request.num_output_tokens == 0:
                 first.append(sim)
         self.scheduler.update_from_output(out, sampled)
@@ -148,12 +198,16 @@ class SimReplica:
         for request in out.requests:
             if request.is_finished and request.request_id in self._requests:
                 finished.append(self._release(request.request_id))
-        return StepResult(first, finished)
+        return StepResult(tokens, first, finished)
 
     def cut(self) -> list[Done]:
         """Stop now: every accepted request is cut (its stream dropped)."""
         ids = list(self._requests)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for request in [*self._loading.values(), *self._loaded]:
+            self.kv.free(request)
+        self._loading.clear()
+        self._loaded.clear()
         self._step, self.in_step = None, False
         return [self._release(rid) for rid in ids]
 

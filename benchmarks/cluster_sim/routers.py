@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
 from engine.block_hash import BlockHash, short_hash
-from serve_app.routing.prefix_policy import PrefixRouterConfig, PrefixRouterPolicy, ReplicaLoad
+from serve_app.routing.prefix_policy import PrefixRouterConfig, PrefixRouterPolicy, ReplicaLoad, RoutingDecision
 
 from .replica import SimReplica
 from .workloads import SimRequest
@@ -158,6 +158,7 @@ class PrefixPolicyRouter(Router):
     precise: bool = True
     block_size: int = 16
     policy: PrefixRouterPolicy = field(init=False)
+    last_decision: RoutingDecision | None = field(default=None, init=False)  # of the latest rank()
 
     def __post_init__(self) -> None:
         self.wants_summaries = self.precise
@@ -172,7 +173,7 @@ class PrefixPolicyRouter(Router):
 
     def rank(self, req, view, now):
         loads = [self._load(r, view, now) for r in view.replicas]
-        decision = self.policy.route(req.block_hashes(self.block_size), loads, now)
+        decision = self.last_decision = self.policy.route(req.block_hashes(self.block_size), loads, now)
         self.reasons[f"{decision.reason}/{decision.source}"] += 1
         return decision.ranked
 
@@ -216,7 +217,7 @@ class Oracle(PrefixPolicyRouter):
         full = {short_hash(h): h for h in hashes}
         loads = [ReplicaLoad(r.replica_id, r.num_running, r.num_waiting, r.kv_cache_usage, _LiveBlocks(r, full), 0.0)
                  for r in view.replicas]
-        decision = self.policy.route(hashes, loads, now)
+        decision = self.last_decision = self.policy.route(hashes, loads, now)
         self.reasons[f"{decision.reason}/{decision.source}"] += 1
         return decision.ranked
 
@@ -225,6 +226,30 @@ class Oracle(PrefixPolicyRouter):
 
     def on_completed(self, replica_id, now):
         pass
+
+
+@dataclass
+class LeastLoaded(Router):
+    """Decode replicas of a P/D fleet, by load and KV usage (issue 15's app design): fewest ongoing requests
+    (the handle's own count, exact; it includes requests still being prefilled elsewhere, which will land
+    here), replicas whose last report showed a nearly full KV cache last; ties by the lower reported KV
+    usage, then in turn, so an idle fleet is filled evenly."""
+
+    name: str = "least_loaded"
+    kv_full_usage: float = 0.92  # as PrefixRouterConfig: above this a replica would evict or preempt
+    _next: int = 0
+
+    def rank(self, req, view, now):
+        ids = [r.replica_id for r in view.replicas]
+        k = self._next % len(ids)
+        self._next += 1
+
+        def key(rid: str) -> tuple:
+            report = view.reports.get(rid)
+            kv = report.kv_cache_usage if report else 0.0
+            return kv >= self.kv_full_usage, view.ongoing.get(rid, 0), kv
+
+        return sorted(ids[k:] + ids[:k], key=key)
 
 
 ROUTERS = ("round_robin", "pow2", "ray_prefix_tree", "prefix_approx", "prefix_precise", "oracle")

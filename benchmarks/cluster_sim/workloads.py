@@ -12,7 +12,9 @@ Shapes:
   prefixes fill a given fraction of the cluster's KV blocks.
 - multi_turn: chat sessions sharing one global system prompt; each turn's prompt is the whole history.
 - zipf: documents with Zipf popularity, so the hottest prefix alone needs more than one replica.
-- bursty: the multi-tenant request shape under a piecewise rate (steps of 4-5x and an idle gap)."""
+- bursty: the multi-tenant request shape under a piecewise rate (steps of 4-5x and an idle gap).
+- io_mix: fixed input:output lengths, no shared prefixes (the P/D comparison's 200:200, 2000:200, 8000:500).
+- chat_and_long: short chat streams while long prompts arrive (the P/D live benchmark's shape)."""
 
 from __future__ import annotations
 
@@ -226,3 +228,40 @@ def multi_turn(seed: int, session_rate: float, duration_s: float, block_size: in
         f"think {shape.think_s} s, user {shape.user_len} / answer {shape.output_len} tok, "
         f"{shape.system_len}-tok shared system prompt", 0,
     )
+
+
+def io_mix(seed: int, rate: float, duration_s: float, input_len: int, output_len: int) -> Workload:
+    """Poisson arrivals of `input_len`-token prompts answered with `output_len` tokens; nothing shared, so
+    no prefix cache (or prefix routing) changes the picture: what is compared is where prefills run."""
+    rng = random.Random(seed)
+    name = f"{input_len}:{output_len}"
+    requests = [SimRequest(f"io-{i}", t, f"r{i}", _tokens(rng, input_len), _tokens(rng, output_len))
+                for i, t in enumerate(poisson_arrivals(rng, [(0.0, rate)], duration_s))]
+    return Workload(name, requests, f"prompts {input_len} tok, outputs {output_len} tok, no shared prefix, "
+                    f"Poisson {rate:g}/s for {duration_s:g} s", 0)
+
+
+@dataclass
+class ChatAndLongShape:
+    chat_prompt: tuple[int, int] = (64, 256)
+    chat_output: tuple[int, int] = (64, 128)
+    long_prompt: int = 1500
+    long_output: int = 32
+
+
+def chat_and_long(seed: int, chat_rate: float, long_rate: float, duration_s: float,
+                  shape: ChatAndLongShape | None = None) -> Workload:
+    """Short chat requests (group "chat") streaming while long prompts (group "long") arrive, each a
+    Poisson stream; nothing shared."""
+    shape = shape or ChatAndLongShape()
+    rng = random.Random(seed)
+    requests = [SimRequest(f"chat-{i}", t, "chat", _tokens(rng, rng.randint(*shape.chat_prompt)),
+                           _tokens(rng, rng.randint(*shape.chat_output)))
+                for i, t in enumerate(poisson_arrivals(rng, [(0.0, chat_rate)], duration_s))]
+    requests += [SimRequest(f"long-{i}", t, "long", _tokens(rng, shape.long_prompt), _tokens(rng, shape.long_output))
+                 for i, t in enumerate(poisson_arrivals(rng, [(0.0, long_rate)], duration_s))]
+    requests.sort(key=lambda r: r.arrival)
+    return Workload("chat_and_long", requests,
+                    f"chat: prompts {shape.chat_prompt} tok, outputs {shape.chat_output} tok, Poisson {chat_rate:g}/s; "
+                    f"long: prompts {shape.long_prompt} tok, outputs {shape.long_output} tok, Poisson {long_rate:g}/s; "
+                    f"{duration_s:g} s", 0)
