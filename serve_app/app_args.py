@@ -3,6 +3,8 @@ validated when the app is built, so a typo fails `serve run` with the field's na
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -41,6 +43,12 @@ class AppArgs(BaseModel):
         "`policy`, the KV/queue policy (autoscale.ray_policy:KVQueueAutoscalingPolicy) is used.",
     )
     api_keys: list[str] = Field(default_factory=list, description="If set, /v1/* requires one of them.")
+    api_keys_env: str | None = Field(
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Instead of `api_keys`: the name of an environment variable holding the keys, comma-separated "
+        "(a Kubernetes Secret mounted as env). Read by each ingress replica when it starts, so the keys never "
+        "travel in the Serve config; an unset or empty variable fails the replica rather than serving /v1 open.",
+    )
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "pythonic"] = Field(
         "auto", description="How tool_choice=auto reads tool calls out of the model's text (serve_app/tool_parsers); "
         "`auto` picks by the chat template's markers ([TOOL_CALLS]: mistral, <|python_start|>: pythonic, "
@@ -68,6 +76,22 @@ class AppArgs(BaseModel):
             raise ValueError("engine.model: set the model with the top-level `model` field")
         self.engine_config()  # fails naming the engine field
         return self
+
+    @model_validator(mode="after")
+    def _check_api_keys(self) -> AppArgs:
+        if self.api_keys and self.api_keys_env:
+            raise ValueError("api_keys, api_keys_env: set one of them, not both")
+        return self
+
+    def resolve_api_keys(self, environ: Mapping[str, str] = os.environ) -> list[str]:
+        """The keys /v1/* accepts: `api_keys`, or those in the variable `api_keys_env` names."""
+        if self.api_keys_env is None:
+            return list(self.api_keys)
+        keys = [k.strip() for k in environ.get(self.api_keys_env, "").split(",") if k.strip()]
+        if not keys:
+            raise ValueError(f"api_keys_env: the environment variable {self.api_keys_env} is unset or holds no key; "
+                             "refusing to serve /v1 without API keys")
+        return keys
 
     def engine_autoscaling_config(self) -> dict[str, Any] | None:
         if self.autoscaling_config is None:

@@ -126,7 +126,7 @@ def build_http_app(ingress) -> FastAPI:
     app = FastAPI(title="pagedserve", version=VERSION,
                   description="OpenAI- and Anthropic-compatible LLM serving on Ray Serve.")
     serving = ingress.openai
-    api_keys = [k.encode() for k in ingress.args.api_keys]
+    api_keys = [k.encode() for k in ingress.args.resolve_api_keys()]  # fails the replica if api_keys_env is unset
     app.add_middleware(BodySizeLimit, limit=ingress.args.max_request_body_bytes)
     app.add_middleware(TracingMiddleware)  # outermost: the request span covers auth failures too
 

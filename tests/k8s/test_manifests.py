@@ -1,9 +1,12 @@
 """The KubeRay deployment under k8s/, checked without a cluster and without starting Ray.
 
-- k8s/rayservice-gpu.yaml against the RayService CRD's openAPIV3Schema (KubeRay v1.7, a copy in
+- every RayService under k8s/ against the RayService CRD's openAPIV3Schema (KubeRay v1.7, a copy in
   k8s/crd/), validated the way the API server does it for `kubectl apply` (unknown fields rejected,
   int-or-string, int32/int64, list-map keys unique), plus the KubeRay operator's own admission rules
   that apply to it, plus the shape we rely on (GPU workers, head without CPUs, autoscaling, drain).
+- every RayService is closed by default (issue 19; ShadowRay, CVE-2023-48022): Ray's token
+  authentication on, nothing but the Serve port reachable from outside the cluster, the app's API keys
+  from a Secret, containers non-root on a read-only root filesystem with emptyDirs where Ray writes.
 - its serveConfigV2 with Ray's ServeDeploySchema, its args with AppArgs, and every import path in it.
 - k8s/grafana-dashboard.json: every metric a panel queries exists (ours, from serve_app/metrics.py,
   or Ray Serve's ray_serve_*), and every engine metric has a panel.
@@ -43,6 +46,11 @@ _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: the 1 MB CRD
 def _load_yaml(path: Path):
     with path.open() as f:
         return yaml.load(f, Loader=_Loader)
+
+
+# Every RayService manifest gets the schema and closed-by-default checks; the rest of this file checks
+# the GPU one's shape.
+RAYSERVICES = sorted(p for p in K8S.glob("*.yaml") if (_load_yaml(p) or {}).get("kind") == "RayService")
 
 
 # --- the CRD schema as a validator (built once per module) ------------------------------------------------
@@ -146,13 +154,18 @@ def schema_errors(doc: dict) -> list[str]:
 
 
 @functools.cache
-def _rayservice() -> dict:
-    return _load_yaml(RAYSERVICE)
+def _rayservice(path: Path = RAYSERVICE) -> dict:
+    return _load_yaml(path)
 
 
 @pytest.fixture
 def rayservice() -> dict:
     return copy.deepcopy(_rayservice())
+
+
+@pytest.fixture(params=RAYSERVICES, ids=[p.name for p in RAYSERVICES])
+def any_rayservice(request) -> dict:
+    return copy.deepcopy(_rayservice(request.param))
 
 
 @pytest.fixture
@@ -188,6 +201,13 @@ def worker_container(rayservice: dict) -> dict:
     return gpu_group(rayservice)["template"]["spec"]["containers"][0]
 
 
+def cluster_group(rayservice: dict, group: str) -> dict:
+    rc = cluster(rayservice)
+    if group == "head":
+        return rc["headGroupSpec"]
+    return next(g for g in rc["workerGroupSpecs"] if g["groupName"] == group)
+
+
 def ports(container: dict) -> dict[str, int]:
     return {p["name"]: p["containerPort"] for p in container.get("ports", [])}
 
@@ -212,10 +232,14 @@ def test_crd_copy_matches_shared_copy():
 # --- RayService: the CRD schema ---------------------------------------------------------------------------
 
 
-def test_rayservice_is_valid_for_the_crd(rayservice):
-    assert rayservice["apiVersion"] == "ray.io/v1"
-    assert rayservice["kind"] == "RayService"
-    assert schema_errors(rayservice) == []
+def test_every_rayservice_is_checked():
+    assert RAYSERVICE in RAYSERVICES
+
+
+def test_rayservice_is_valid_for_the_crd(any_rayservice):
+    assert any_rayservice["apiVersion"] == "ray.io/v1"
+    assert any_rayservice["kind"] == "RayService"
+    assert schema_errors(any_rayservice) == []
 
 
 def _set(doc: dict, path: str, value) -> dict:
@@ -251,6 +275,11 @@ _WORKER_CONTAINER = _WORKER + ".template.spec.containers.0"
         ("spec.rayClusterConfig.enableInTreeAutoscaling", "true", "is not of type 'boolean'"),
         ("spec.serveConfigV2", {"applications": []}, "is not of type 'string'"),
         ("spec.managedBy", "someone", "CEL rules"),
+        ("spec.rayClusterConfig.authOptions.mode", "Token", "is not one of ['disabled', 'token']"),
+        ("spec.rayClusterConfig.authOptions.secret", "x", "Additional properties are not allowed ('secret'"),
+        (_WORKER + ".template.spec.securityContext.runAsUser", "1000", "is not of type 'integer'"),
+        (_WORKER_CONTAINER + ".securityContext.capabilities.drop", "ALL", "is not of type 'array'"),
+        ("spec.serveService.spec.type", ["LoadBalancer"], "is not of type 'string'"),
     ],
 )
 def test_crd_validation_rejects_broken_manifests(rayservice, path, value, expected):
@@ -353,6 +382,178 @@ def test_worker_pods_drain_streams_before_they_stop(rayservice, app):
     sleep_s = int(sleep.group(1))
     assert sleep_s >= app["args"]["graceful_shutdown_timeout_s"], "the preStop sleep covers Serve's graceful stop"
     assert spec["terminationGracePeriodSeconds"] > sleep_s, "room for `ray stop` after the sleep"
+
+
+# --- RayService: closed by default ------------------------------------------------------------------------
+# A Ray cluster whose dashboard or job API can be reached runs anyone's code (ShadowRay, CVE-2023-48022).
+
+RAY_HOME = "/home/ray"  # the `ray` user's home in rayproject/ray images (uid 1000, group users 100)
+RAY_UID = 1000
+_RAY_AUTH_ENV = {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"}  # tests/k8s/test_ray_token_auth.py
+
+
+def pod_templates(rayservice: dict) -> dict[str, dict]:
+    rc = cluster(rayservice)
+    return {"head": rc["headGroupSpec"]["template"]} | {g["groupName"]: g["template"] for g in rc["workerGroupSpecs"]}
+
+
+def _containers(template: dict) -> list[dict]:
+    return template["spec"]["containers"] + template["spec"].get("initContainers", [])
+
+
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split(".")[:3])
+
+
+def test_ray_token_authentication_is_on(any_rayservice):
+    rc = cluster(any_rayservice)
+    auth = rc.get("authOptions", {})
+    assert auth.get("mode") == "token", "KubeRay turns token auth on for an explicit `mode: token` only"
+    assert auth.get("secretName"), "a Secret we name: KubeRay's generated one is renamed on every cluster upgrade"
+    assert not auth.get("enableK8sTokenAuth"), "KubeRay v1.7 rejects Kubernetes token auth for a RayService"
+    assert _version(rc["rayVersion"]) >= (2, 52), "KubeRay rejects token auth before Ray 2.52"
+    # KubeRay adds RAY_AUTH_MODE and RAY_AUTH_TOKEN only to containers that do not set them (pod.go,
+    # SetContainerTokenAuthEnvVars), and appends autoscalerOptions.env after its own: one set here wins.
+    envs = [(f"{group}/{c['name']}", c.get("env", [])) for group, t in pod_templates(any_rayservice).items()
+            for c in _containers(t)] + [("autoscaler", rc.get("autoscalerOptions", {}).get("env", []))]
+    for where, env in envs:
+        assert not _RAY_AUTH_ENV & {e["name"] for e in env}, where
+
+
+_EXTERNAL = {"LoadBalancer", "NodePort"}
+# KubeRay's head Service ports when the head container names none (ray-operator common/service.go).
+_KUBERAY_DEFAULT_PORTS = {"client": 10001, "gcs-server": 6379, "dashboard": 8265, "metrics": 8080, "serve": 8000}
+
+
+def reachable_from_outside(rayservice: dict) -> set[tuple[str, int]]:
+    """(what, port) a client outside the cluster can reach, with the Services KubeRay v1.7 builds
+    (ray-operator common/service.go) and what pods publish on their node themselves."""
+    rc = cluster(rayservice)
+    head = rc["headGroupSpec"]
+    head_ports = ports(head_container(rayservice)) or dict(_KUBERAY_DEFAULT_PORTS)
+    head_ports.setdefault("metrics", 8080)
+    # headGroupSpec.serviceType is the default type of both the head and the serve Service
+    default_type = head.get("serviceType") or "ClusterIP"
+    head_svc = head.get("headService", {}).get("spec", {})
+    serve_svc = rayservice["spec"].get("serveService", {}).get("spec", {})
+    found = set()
+    if head_svc.get("type", default_type) in _EXTERNAL:
+        head_ports |= {p.get("name", str(p["port"])): p["port"] for p in head_svc.get("ports", [])}
+        found |= {(f"head-svc {name}", port) for name, port in head_ports.items()}
+    if serve_svc.get("type", default_type) in _EXTERNAL:
+        # only the head container's ports named serve or serve-*; a listed port of the same name replaces one
+        listed = {p.get("name"): p["port"] for p in serve_svc.get("ports", [])}
+        found |= {(f"serve-svc {name}", listed.get(name, port)) for name, port in head_ports.items()
+                  if name == "serve" or name.startswith("serve-")}
+    if head.get("enableIngress"):
+        found.add(("head ingress dashboard", head_ports.get("dashboard", 8265)))
+    for group, template in pod_templates(rayservice).items():
+        if template["spec"].get("hostNetwork"):
+            found.add((f"{group} hostNetwork: every port", 0))
+        for c in _containers(template):
+            found |= {(f"{group}/{c['name']} hostPort", p["hostPort"]) for p in c.get("ports", []) if p.get("hostPort")}
+    return found
+
+
+def test_only_the_serve_port_leaves_the_cluster(any_rayservice):
+    serve_port = yaml.safe_load(any_rayservice["spec"]["serveConfigV2"])["http_options"]["port"]
+    assert reachable_from_outside(any_rayservice) == {("serve-svc serve", serve_port)}
+    # explicit, so that publishing Serve is never done by changing the type both Services default to
+    assert cluster(any_rayservice)["headGroupSpec"]["serviceType"] == "ClusterIP"
+
+
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        ("spec.rayClusterConfig.headGroupSpec.serviceType", "LoadBalancer"),  # the ShadowRay cluster
+        ("spec.rayClusterConfig.headGroupSpec.headService", {"spec": {"type": "NodePort"}}),
+        ("spec.rayClusterConfig.headGroupSpec.enableIngress", True),
+        (_WORKER + ".template.spec.hostNetwork", True),
+        (_WORKER_CONTAINER + ".ports.0.hostPort", 8000),
+    ],
+)
+def test_exposure_check_catches_a_published_control_plane(rayservice, path, value):
+    before = reachable_from_outside(rayservice)
+    broken = _set(rayservice, path, value)
+    assert schema_errors(broken) == [], "valid for the CRD: only this test stands in the way"
+    assert reachable_from_outside(broken) - before
+
+
+def test_api_keys_come_from_a_secret(any_rayservice):
+    from serve_app.app_args import AppArgs
+
+    for app in yaml.safe_load(any_rayservice["spec"]["serveConfigV2"])["applications"]:
+        args = AppArgs.model_validate(app["args"])
+        assert args.api_keys_env and not args.api_keys, "keys in serveConfigV2 would sit in the RayService"
+        # the ingress replicas run on the workers (never on the head: test_replicas_fit_the_worker_pods)
+        for group in cluster(any_rayservice)["workerGroupSpecs"]:
+            env = group["template"]["spec"]["containers"][0].get("env", [])
+            (var,) = [e for e in env if e["name"] == args.api_keys_env]
+            assert "value" not in var and not var["valueFrom"]["secretKeyRef"].get("optional"), (
+                "from a Secret, and required: without it the pod must not start")
+            assert args.resolve_api_keys({var["name"]: "key-one,key-two"}) == ["key-one", "key-two"]
+
+
+def _writable(container: dict, volumes: dict[str, dict], path: str) -> bool:
+    for m in container.get("volumeMounts", []):
+        if (path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")) and not m.get("readOnly"):
+            return "emptyDir" in volumes[m["name"]]
+    return False
+
+
+def engine_write_paths(env: dict[str, str]) -> dict[str, str]:
+    """Where the engine and its libraries write at run time on a worker, given its env."""
+    return {
+        "Hugging Face hub": env.get("HF_HOME", f"{RAY_HOME}/.cache/huggingface"),
+        "built-in model (engine/models/builtin.py)": env.get("PAGEDSERVE_CACHE", f"{RAY_HOME}/.cache/pagedserve"),
+        "torch C++ extensions": env.get("TORCH_EXTENSIONS_DIR", f"{RAY_HOME}/.cache/torch_extensions"),
+        "FlashInfer JIT kernels": env.get("FLASHINFER_WORKSPACE_BASE", RAY_HOME) + "/.cache/flashinfer",
+        "Triton": env.get("TRITON_CACHE_DIR", env.get("TRITON_HOME", RAY_HOME) + "/.triton/cache"),
+        "CUDA JIT": env.get("CUDA_CACHE_PATH", f"{RAY_HOME}/.nv/ComputeCache"),
+    }
+
+
+_LOCKED_DOWN = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True}
+
+
+def test_containers_run_as_non_root_on_a_read_only_root(any_rayservice):
+    rc = cluster(any_rayservice)
+    for group, template in pod_templates(any_rayservice).items():
+        spec = template["spec"]
+        pod = spec.get("securityContext", {})
+        # pod-level: also covers the containers KubeRay adds (autoscaler, wait-gcs-ready)
+        assert (pod.get("runAsNonRoot"), pod.get("runAsUser"), pod.get("seccompProfile")) == (
+            True, RAY_UID, {"type": "RuntimeDefault"}), group
+        assert not any(spec.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")), group
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for c in _containers(template):
+            sc = c.get("securityContext", {})
+            assert {k: sc.get(k) for k in _LOCKED_DOWN} == _LOCKED_DOWN, f"{group}/{c['name']}"
+            assert not sc.get("privileged") and sc.get("runAsUser", RAY_UID) != 0 and sc.get("runAsNonRoot", True)
+            for m in c.get("volumeMounts", []):
+                assert "emptyDir" in volumes[m["name"]], f"{group}/{c['name']}: {m['name']} is scratch space"
+        ray = spec["containers"][0]
+        session = cluster_group(any_rayservice, group).get("rayStartParams", {}).get("temp-dir", "/tmp/ray")
+        for path in (session + "/session_latest/logs", "/tmp/tmpabc123"):  # Ray's session folder, tempfile
+            assert _writable(ray, volumes, path), f"{group}: {path}"
+        if group != "head":  # where the engine runs
+            env = {e["name"]: e["value"] for e in ray.get("env", []) if "value" in e}
+            for what, path in engine_write_paths(env).items():
+                assert _writable(ray, volumes, path), f"{group}: {what} writes {path} on a read-only root"
+    autoscaler = rc.get("autoscalerOptions", {})
+    assert {k: autoscaler.get("securityContext", {}).get(k) for k in _LOCKED_DOWN} == _LOCKED_DOWN
+    head_volumes = {v["name"]: v for v in rc["headGroupSpec"]["template"]["spec"].get("volumes", [])}
+    assert _writable(autoscaler, head_volumes, "/tmp/tmpabc123"), "the autoscaler sidecar's /tmp"
+
+
+def test_write_path_check_catches_a_missing_cache_volume(rayservice):
+    worker = worker_container(rayservice)
+    volumes = {v["name"]: v for v in gpu_group(rayservice)["template"]["spec"]["volumes"]}
+    env = {e["name"]: e["value"] for e in worker["env"] if "value" in e}
+    assert _writable(worker, volumes, engine_write_paths(env)["Hugging Face hub"])
+    assert not _writable(worker, volumes, engine_write_paths({})["Triton"])  # ~/.triton without TRITON_HOME
+    worker["volumeMounts"] = [m for m in worker["volumeMounts"] if m["mountPath"] != f"{RAY_HOME}/.cache"]
+    assert not _writable(worker, volumes, engine_write_paths(env)["Hugging Face hub"])
 
 
 # --- serveConfigV2 ----------------------------------------------------------------------------------------
@@ -712,3 +913,18 @@ def test_readme_matches_the_manifests(rayservice):
     name = rayservice["metadata"]["name"]
     assert f"svc/{name}-serve-svc" in text and f"svc/{name}-head-svc" in text
     assert "/v1/chat/completions" in text
+
+    # closed by default: the Secrets as the manifest names them, the dashboard through a port-forward with
+    # the token, what was and was not tried, token authentication for a local `serve run`
+    rc = cluster(rayservice)
+    ray_secret = rc["authOptions"]["secretName"]
+    assert f"kubectl create secret generic {ray_secret} --from-literal=auth_token=" in text  # KubeRay's key
+    (app,) = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
+    (keys,) = [e["valueFrom"]["secretKeyRef"] for e in worker_container(rayservice)["env"]
+               if e["name"] == app["args"]["api_keys_env"]]
+    assert f"kubectl create secret generic {keys['name']} --from-literal={keys['key']}=" in text
+    assert f"kubectl port-forward svc/{name}-head-svc 8265:8265" in text
+    assert f"secret {ray_secret} -o jsonpath='{{.data.auth_token}}'" in text
+    assert "export RAY_AUTH_MODE=token" in text and "RAY_AUTH_TOKEN=" in text  # names: test_ray_token_auth.py
+    assert "ray get-auth-token --generate" in text and "serve run configs/default.yaml" in text
+    assert "No pod has been started from these manifests here" in text

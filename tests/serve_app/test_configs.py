@@ -43,3 +43,48 @@ def test_bad_args_name_the_field():
         AppArgs.model_validate({"router": "random"})
     with pytest.raises(ValueError, match="num_replcas"):
         AppArgs.model_validate({"num_replcas": 2})
+
+
+# --- API keys from the environment (a Kubernetes Secret mounted as env: k8s/rayservice-gpu.yaml) -------------
+
+
+def test_api_keys_env_reads_comma_separated_keys():
+    args = AppArgs.model_validate({"api_keys_env": "PAGEDSERVE_API_KEYS"})
+    assert args.resolve_api_keys({"PAGEDSERVE_API_KEYS": " key-one,key-two ,, "}) == ["key-one", "key-two"]
+    assert AppArgs.model_validate({"api_keys": ["k"]}).resolve_api_keys({}) == ["k"]
+    assert AppArgs().resolve_api_keys({"PAGEDSERVE_API_KEYS": "ignored"}) == []  # no keys asked for: open
+
+
+@pytest.mark.parametrize("environ", [{}, {"PAGEDSERVE_API_KEYS": ""}, {"PAGEDSERVE_API_KEYS": " , "}])
+def test_api_keys_env_without_keys_fails_closed(environ):
+    args = AppArgs.model_validate({"api_keys_env": "PAGEDSERVE_API_KEYS"})
+    with pytest.raises(ValueError, match="api_keys_env: the environment variable PAGEDSERVE_API_KEYS is unset"):
+        args.resolve_api_keys(environ)
+
+
+def test_api_keys_env_is_validated():
+    with pytest.raises(ValueError, match="api_keys, api_keys_env: set one of them"):
+        AppArgs.model_validate({"api_keys": ["k"], "api_keys_env": "PAGEDSERVE_API_KEYS"})
+    with pytest.raises(ValueError, match="api_keys_env"):
+        AppArgs.model_validate({"api_keys_env": "$PAGEDSERVE_API_KEYS"})  # the name, not a reference
+
+
+def test_http_app_takes_its_keys_from_the_environment(monkeypatch):
+    """The ingress's HTTP app (no Ray): /v1 answers 401 without one of the keys in the variable, and an
+    ingress whose variable is missing does not start."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from serve_app.http_api import build_http_app
+
+    serving = SimpleNamespace(model_name="m", processor=SimpleNamespace(max_model_len=16))
+    ingress = SimpleNamespace(args=AppArgs.model_validate({"api_keys_env": "PAGEDSERVE_API_KEYS"}), openai=serving)
+    monkeypatch.setenv("PAGEDSERVE_API_KEYS", "key-one,key-two")
+    client = TestClient(build_http_app(ingress))
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer key-three"}).status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer key-two"}).json()["data"][0]["id"] == "m"
+    monkeypatch.delenv("PAGEDSERVE_API_KEYS")
+    with pytest.raises(ValueError, match="PAGEDSERVE_API_KEYS is unset"):
+        build_http_app(ingress)
