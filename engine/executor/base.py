@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -44,6 +45,12 @@ class Executor(ABC):
     def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
         self.submit(inp)
         return self.collect()
+
+    def collective_rpc(self, method: str, *args: Any) -> Any:
+        """Run `Worker.<method>(*args)` on every rank (e.g. loading an adapter into a slot); returns the
+        driver's result. The driver runs it first, so a call it refuses reaches no other rank; the others
+        run it in step order, before any step submitted after it."""
+        return getattr(self.driver_worker, method)(*args)
 
     def weight_bytes_per_rank(self) -> dict[int, int]:
         """Bytes of weights each rank holds, as measured on its loaded model."""

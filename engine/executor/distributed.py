@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import torch
 
@@ -64,6 +65,14 @@ class DistributedExecutor(Executor):
 
     def weight_bytes_per_rank(self) -> dict[int, int]:
         return {rank: int(self.store.get(f"weight_bytes/{rank}")) for rank in range(self.layout.world_size)}
+
+    def collective_rpc(self, method: str, *args: Any) -> Any:
+        result = super().collective_rpc(method, *args)
+        try:
+            self.queue.enqueue(("call", (method, args)))
+        except Exception as e:
+            raise self._failure(e) from e
+        return result
 
     def check_health(self) -> str | None:
         return self.launcher.failure() if self.launcher is not None else None

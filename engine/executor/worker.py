@@ -166,7 +166,11 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous, rank: int, device_i
             kind, payload = queue.dequeue()
             if kind == "stop":
                 break
-            worker.execute_model(payload)
+            if kind == "call":
+                method, args = payload
+                getattr(worker, method)(*args)
+            else:
+                worker.execute_model(payload)
     except EOFError:
         logger.info("rank %d: the driver is gone; exiting", rank)
     except BaseException as e:

@@ -87,3 +87,4 @@ def test_async_engine_dies_with_its_worker(tiny_model_path):
             llm.shutdown()
 
     asyncio.run(asyncio.wait_for(run(), 120))
+
