@@ -19,7 +19,7 @@ from engine.distributed.message_queue import MessageQueueWriter
 from engine.errors import WorkerFailedError
 from engine.executor.base import Executor, WorkerLauncher
 from engine.executor.model_input import ModelInput
-from engine.executor.worker import Rendezvous, init_rank, step_queue_name
+from engine.executor.worker import INIT_TIMEOUT, Rendezvous, init_rank, step_queue_name
 from engine.model_spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -37,8 +37,9 @@ class DistributedExecutor(Executor):
         try:
             self.driver_worker = init_rank(config, spec, rendezvous, self.layout.output_rank, device, self.store,
                                            extra_bytes_per_block)
+            # Every rank passed the setup's collectives: each is up and about to connect.
             self.queue = MessageQueueWriter(self.store, step_queue_name(rendezvous), self.layout.world_size - 1,
-                                            host=rendezvous.host, timeout_s=rendezvous.timeout_s)
+                                            host=rendezvous.host, timeout_s=INIT_TIMEOUT.total_seconds())
         except Exception as e:
             failure = self._failure(e)
             self.shutdown()
