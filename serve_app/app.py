@@ -4,12 +4,14 @@ serve_app.app:build_app` with `args:` in a config file (configs/default.yaml).""
 # No `from __future__ import annotations` here: Ray reads the builder's annotation at run time to
 # validate `args` as AppArgs, and a string annotation would hand us the raw dict.
 
+import ray
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from serve_app.app_args import ROUTERS, AppArgs
 from serve_app.ingress import OpenAIIngress
 from serve_app.llm_server import LLMServer
+from serve_app.placement import check_placement
 
 # Serve through HAProxy (Ray Serve 2.60's direct ingress) rather than Ray's Python proxy actor: HAProxy
 # takes the HTTP port and hands each connection to an ingress replica's own HTTP server, where the proxy
@@ -29,12 +31,17 @@ def build_app(args: AppArgs) -> Application:
         router_config = RequestRouterConfig(request_router_class=router, request_router_kwargs=kwargs,
                                             request_routing_stats_period_s=1, request_routing_stats_timeout_s=5)
     autoscaling = args.engine_autoscaling_config()
+    placement = {"ray_actor_options": args.ray_actor_options, **args.placement(engine_config)}
+    if "placement_group_bundles" in placement and args.placement_group_config.check_fits and ray.is_initialized():
+        check_placement(placement["placement_group_bundles"], placement["placement_group_strategy"])
+    worker_bundle = placement["placement_group_bundles"][-1] if "placement_group_bundles" in placement else None
     engine = LLMServer.options(
         **({"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": args.num_replicas}),
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
-        ray_actor_options=args.ray_actor_options,
         graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
         request_router_config=router_config,
-    ).bind(engine_config.model_dump(mode="json"), args.name, args.stream_messages_per_s, args.tracing.model_dump())
+        **placement,
+    ).bind(engine_config.model_dump(mode="json"), args.name, args.stream_messages_per_s, args.tracing.model_dump(),
+           worker_bundle)
     return OpenAIIngress.options(num_replicas=args.ingress_replicas).bind(engine, args.model_dump())

@@ -19,6 +19,24 @@ ROUTERS = {
 }
 
 
+class PlacementGroupConfig(BaseModel):
+    """Placement of a multi-rank engine replica (tensor_parallel_size x pipeline_parallel_size ranks): one
+    bundle per rank, in the shape Ray Serve LLM's `placement_group_config` takes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bundle_per_worker: dict[str, float] | None = Field(
+        None, description="Resources of each rank's bundle. Default: {GPU: 1, CPU: 1} with engine.device cuda, "
+        "else {CPU: 0.01}: a token amount, so that a multi-rank replica is placed on a small Ray cluster whose "
+        "replicas take num_cpus 0. Bundle 0 also holds the replica's own ray_actor_options.")
+    strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] | None = Field(
+        None, description="Default: STRICT_PACK (one host) without pipeline parallelism, PACK with it (stages "
+        "may span hosts).")
+    check_fits: bool = Field(
+        True, description="Refuse to build the app when the cluster's nodes cannot hold a replica's bundles "
+        "(rather than leave it pending forever). Turn off on an autoscaling cluster whose nodes come later.")
+
+
 class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -65,6 +83,9 @@ class AppArgs(BaseModel):
         "budget) seconds between messages, and tokens made meanwhile travel together; the first token always "
         "leaves at once. 0 sends every step's tokens as its own message.",
     )
+    placement_group_config: PlacementGroupConfig = Field(
+        default_factory=PlacementGroupConfig, description="Bundles of a multi-rank engine replica (engine."
+        "tensor_parallel_size / pipeline_parallel_size above 1); unused for one rank.")
     tracing: TracingConfig = Field(default_factory=TracingConfig, description="OpenTelemetry tracing (off by default).")
     graceful_shutdown_timeout_s: float = Field(
         30.0, ge=0, description="How long a stopping engine replica may take to finish its streams."
@@ -106,6 +127,25 @@ class AppArgs(BaseModel):
         return self.served_model_name or self.model
 
     def engine_config(self) -> EngineConfig:
-        # Replicas run the engine loop in its own process unless told otherwise (engine_core.py: why).
+        # Replicas run the engine loop in its own process unless told otherwise (engine_core.py: why), and
+        # a multi-rank engine's other ranks as Ray actors in the replica's placement group.
         defaults = {"multiprocess": True, "collect_step_timings": self.tracing.detailed}
+        ranks = self.engine.get("tensor_parallel_size", 1) * self.engine.get("pipeline_parallel_size", 1)
+        if isinstance(ranks, int) and ranks > 1:
+            defaults["distributed_executor_backend"] = "ray"
         return EngineConfig(model=self.model, **{**defaults, **self.engine})
+
+    def placement(self, engine: EngineConfig) -> dict[str, Any]:
+        """Deployment options of a multi-rank replica: one bundle per rank (bundle 0 also holding the
+        replica's resources), the strategy, and the replica's GPU (its engine process is the driver rank)."""
+        if engine.world_size == 1:
+            return {}
+        cuda = engine.device == "cuda"
+        bundle = dict(self.placement_group_config.bundle_per_worker or ({"GPU": 1.0, "CPU": 1.0} if cuda else {"CPU": 0.01}))
+        actor = dict(self.ray_actor_options)
+        if bundle.get("GPU"):
+            actor["num_gpus"] = bundle["GPU"]
+        first = {**bundle, "CPU": bundle.get("CPU", 0) + actor.get("num_cpus", 0)}
+        strategy = self.placement_group_config.strategy or ("STRICT_PACK" if engine.pipeline_parallel_size == 1 else "PACK")
+        return {"placement_group_bundles": [first] + [dict(bundle) for _ in range(engine.world_size - 1)],
+                "placement_group_strategy": strategy, "ray_actor_options": actor}

@@ -20,6 +20,7 @@ from engine.stats import EngineStats
 from serve_app import replica_context, tracing
 from serve_app.engine_request import EngineRequest
 from serve_app.metrics import EngineMetrics
+from serve_app.ray_workers import RayWorkerLauncher
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +37,21 @@ _MAX_STREAM_REST_S = 0.25
 class LLMServer:
     def __init__(
         self, engine_config: dict, served_model_name: str, stream_messages_per_s: float = 0.0,
-        tracing_config: dict | None = None,
+        tracing_config: dict | None = None, worker_bundle: dict[str, float] | None = None,
     ) -> None:
+        """`worker_bundle`: with the ray backend, the resources of each rank's placement-group bundle; the
+        engine's other ranks start as actors there (serve_app/ray_workers.py)."""
         self.replica_id = replica_id = replica_context.replica_id()
         self.model_name = served_model_name
         self.tracer = tracing.setup_tracing(
             tracing.TracingConfig(**(tracing_config or {})),
             {"pagedserve.component": "engine", "gen_ai.request.model": served_model_name, "pagedserve.replica": replica_id},
         )
-        self.llm = AsyncLLM(EngineConfig(**engine_config))
+        config = EngineConfig(**engine_config)
+        launcher = None
+        if config.world_size > 1 and config.distributed_executor_backend == "ray":
+            launcher = RayWorkerLauncher(worker_bundle or {}, name=f"pagedserve-{replica_id}")
+        self.llm = AsyncLLM(config, launcher)
         self.stream_messages_per_s = stream_messages_per_s
         self.metrics = EngineMetrics(served_model_name, replica_id)
         self._metrics_task = asyncio.get_event_loop().create_task(self._export_metrics())

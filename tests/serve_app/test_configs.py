@@ -88,3 +88,17 @@ def test_http_app_takes_its_keys_from_the_environment(monkeypatch):
     monkeypatch.delenv("PAGEDSERVE_API_KEYS")
     with pytest.raises(ValueError, match="PAGEDSERVE_API_KEYS is unset"):
         build_http_app(ingress)
+
+def test_multi_rank_replica_gets_one_bundle_per_rank():
+    config = yaml.safe_load((CONFIGS[0].parent / "gpu-llama3-70b-tp4.yaml").read_text())
+    args = AppArgs.model_validate(config["applications"][0]["args"])
+    engine = args.engine_config()
+    assert engine.distributed_executor_backend == "ray" and engine.world_size == 4
+    placement = args.placement(engine)
+    assert placement["placement_group_bundles"] == [{"GPU": 1, "CPU": 5}] + [{"GPU": 1, "CPU": 1}] * 3
+    assert placement["placement_group_strategy"] == "STRICT_PACK"
+    assert placement["ray_actor_options"] == {"num_cpus": 4, "num_gpus": 1}  # the replica's engine process is rank 0
+    cpu = AppArgs.model_validate({"engine": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}})
+    placement = cpu.placement(cpu.engine_config())
+    assert placement["placement_group_bundles"] == [{"CPU": 0.01}] * 4 and placement["placement_group_strategy"] == "PACK"
+    assert AppArgs.model_validate({}).placement(AppArgs.model_validate({}).engine_config()) == {}
