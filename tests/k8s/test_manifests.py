@@ -621,6 +621,32 @@ def test_app_args_match_the_gpu_config(app):
     assert app["args"]["engine"] == gpu_app["args"]["engine"]
 
 
+def test_tensor_parallel_replica_fits_one_gpu_pod():
+    """The TP=4 manifest: a replica's placement group (4 bundles, STRICT_PACK) fits one worker pod beside
+    an ingress replica, one replica per pod, and the app is configs/gpu-llama3-70b-tp4.yaml's."""
+    from serve_app.app_args import AppArgs
+    from serve_app.placement import placement_shortfall
+
+    rayservice = _rayservice(K8S / "rayservice-gpu-tp4.yaml")
+    (app,) = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
+    args = AppArgs.model_validate(app["args"])
+    engine = args.engine_config()
+    placement = args.placement(engine)
+    assert engine.tensor_parallel_size == 4 and engine.distributed_executor_backend == "ray"
+    limits = worker_container(rayservice)["resources"]["limits"]
+    pod = {"GPU": float(limits["nvidia.com/gpu"]), "CPU": _cpus(limits["cpu"])}
+    ingress_cpus = deployment(app, "OpenAIIngress")["ray_actor_options"]["num_cpus"]
+    bundles = placement["placement_group_bundles"]
+    assert placement["placement_group_strategy"] == "STRICT_PACK" and len(bundles) == 4
+    assert sum(b["GPU"] for b in bundles) == pod["GPU"]  # one replica per pod
+    assert placement_shortfall(bundles + [{"CPU": ingress_cpus}], "STRICT_PACK", [pod]) is None
+    autoscaling = deployment(app, "LLMServer")["autoscaling_config"]
+    assert autoscaling["max_replicas"] == gpu_group(rayservice)["maxReplicas"]
+    (config_app,) = _load_yaml(ROOT / "configs" / "gpu-llama3-70b-tp4.yaml")["applications"]
+    for key in ("model", "served_model_name", "ray_actor_options", "placement_group_config", "engine"):
+        assert app["args"][key] == config_app["args"][key], key
+
+
 # --- import paths -----------------------------------------------------------------------------------------
 
 
