@@ -160,6 +160,7 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs: deltas (new token ids, new text, new logprobs) unless
         `sampling_params.output_kind` says otherwise; the last one has `finished` set. Raises ValueError
@@ -171,7 +172,8 @@ class AsyncLLM:
         if "output_kind" not in params.model_fields_set:
             params = params.model_copy(update={"output_kind": RequestOutputKind.DELTA})
         request_id = request_id if request_id is not None else uuid.uuid4().hex
-        prepared = self.processor.prepare_request(prompt, params, request_id, priority=priority, cache_salt=cache_salt)
+        prepared = self.processor.prepare_request(prompt, params, request_id, priority=priority, cache_salt=cache_salt,
+                                                  kv_transfer_params=kv_transfer_params)
         stream = _Stream(asyncio.get_running_loop(), deltas=params.output_kind is RequestOutputKind.DELTA)
         self._register(prepared, stream)
         try:
@@ -210,6 +212,10 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with an `abort` finish reason. Unknown ids are ignored."""
         self._send(("abort", request_id))
+
+    def release_kv(self, request_id: str) -> None:
+        """Disaggregated prefill: the consumer has this request's KV; free the blocks held for it."""
+        self._send(("release_kv", request_id))
 
     def stop_admitting(self) -> None:
         """Refuse new requests (EngineOverloadedError) while in-flight ones finish: the first half of a

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.kv_transfer.base import KVTransferConfig
 from engine.spec_decode.config import SpeculativeConfig
 
 
@@ -110,6 +111,12 @@ class EngineConfig(BaseModel):
         300.0, gt=0,
         description="Multi-rank engines: a rank silent this long in a step (hung, or its host gone) is dead and "
         "the engine fails rather than wait. Generous: a long CPU prefill step can take seconds.",
+    )
+    kv_transfer_config: KVTransferConfig | None = Field(
+        None,
+        description="Disaggregated prefill/decode (a KVTransferConfig or a dict): this engine produces KV for "
+        "other engines (requests with kv_transfer_params {do_remote_decode: true}) and/or loads KV they "
+        "produced (kv_transfer_params from a producer's output). None: off.",
     )
     speculative_config: SpeculativeConfig | None = Field(
         None,

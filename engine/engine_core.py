@@ -5,7 +5,8 @@ interval to get it back: measured inside a Ray Serve replica, the loop ran half 
 as alone. In its own process the loop keeps its GIL, and outputs cross back once per step for all
 requests together.
 
-The loop takes commands ("add", PreparedRequest), ("abort", request_id), ("stop", None) and emits events:
+The loop takes commands ("add", PreparedRequest), ("abort", request_id), ("release_kv", request_id),
+("stop", None) and emits events:
     ("ready", EngineStats)                                      once the engine is built
     ("outputs", list[RequestOutput], EngineStats, num_adds)     after a step or applied commands
     ("rejected", request_id, ValueError)                        an add the engine refused
@@ -63,7 +64,10 @@ def run_engine_loop(engine: LLMEngine, next_command: Callable[[float], Command |
                         emit(("rejected", payload.request_id, e))
                 elif kind == "abort":
                     outputs.extend(engine.abort_request(payload))
+                elif kind == "release_kv":
+                    engine.release_kv(payload)
                 command = next_command(0.0)
+            engine.poll_kv_leases()
             if engine.has_unfinished_requests():
                 outputs.extend(engine.step())
             if outputs or num_adds:

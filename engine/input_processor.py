@@ -28,6 +28,7 @@ class PreparedRequest:
     arrival_time: float
     priority: int
     cache_salt: str | None
+    kv_transfer_params: dict | None = None  # engine/kv_transfer: produce KV for, or load it from, another engine
 
 
 def resolve_eos_token_ids(model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
@@ -108,6 +109,7 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> PreparedRequest:
         """Validate and tokenize a request without touching engine state, so that any thread may call
         it. Raises ValueError naming the bad parameter."""
@@ -127,6 +129,8 @@ class InputProcessor:
             raise ValueError(f"stop_token_ids/logit_bias: token ids {bad} are outside the vocabulary [0, {vocab})")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n: {params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
+            raise ValueError(f"kv_transfer_params: expected a dict, got {type(kv_transfer_params).__name__}")
         return PreparedRequest(
             request_id=request_id if request_id is not None else f"req-{next(self._request_counter)}",
             prompt=prompt if isinstance(prompt, str) else None,
@@ -135,4 +139,5 @@ class InputProcessor:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             priority=priority,
             cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import Iterable
 from concurrent import futures
@@ -20,6 +21,7 @@ from engine.executor import Rendezvous
 from engine.executor.worker import threads_per_rank
 from engine.input_processor import InputProcessor, PreparedRequest, resolve_eos_token_ids
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_transfer.shared_memory import SharedMemoryConnector, kv_layout
 from engine.model_runner import LogprobEntry, ModelRunner, ModelRunnerOutput, StepPlan
 from engine.model_spec import ModelSpec
 from engine.output_processor import OutputProcessor
@@ -56,6 +58,12 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or spec.path, config.revision if config.tokenizer else None)
         self.eos_token_ids = resolve_eos_token_ids(self.model_config, self.tokenizer)
         self.model_runner = ModelRunner(config, spec, rendezvous)
+        self.kv_connector = None
+        if config.kv_transfer_config is not None:
+            layout, stages = kv_layout(config, self.model_config, self.dtype)
+            self.kv_connector = SharedMemoryConnector(config.kv_transfer_config, f"kv-{uuid.uuid4().hex[:12]}", layout,
+                                                      config.block_size, self.dtype, layers_per_rank=stages)
+            self.model_runner.kv_connector = self.kv_connector
         try:
             self.scheduler = self._build_scheduler(self.model_runner.num_blocks)
         except ValueError:
@@ -91,6 +99,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
             num_speculative_tokens=config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
+            connector=self.kv_connector,
         )
 
     def _resolve_max_num_batched_tokens(self) -> int:
@@ -135,6 +144,8 @@ class LLMEngine:
                 seed=None if params.seed is None else (params.seed if i == 0 else sample_seed(params.seed, -i)),
                 parent_id=None if params.n == 1 else rid,
                 index=i,
+                # The first sample loads or produces the prompt's KV; its siblings share it (prefix cache).
+                kv_transfer_params=prepared.kv_transfer_params if i == 0 else None,
             )
             for i in range(params.n)
         ]
@@ -190,6 +201,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns outputs for the requests it advanced (per their output_kind)."""
+        self.poll_kv_leases()
         compile_failures = self._release_compiled()
         if self._pipeline_depth > 1:
             return compile_failures + self._step_pipelined()
@@ -354,6 +366,19 @@ class LLMEngine:
                 for child in reversed(waiting):  # they arrived before anything now waiting
                     self.scheduler.add_request(child, front=True)
                 del self._parked[rid]
+
+    def release_kv(self, request_id: str) -> None:
+        """A consumer has the KV this engine produced for `request_id`: free its held blocks."""
+        if self.kv_connector is not None:
+            self.kv_connector.release(request_id)
+            self.poll_kv_leases()
+
+    def poll_kv_leases(self) -> None:
+        """Free the blocks of finished producer requests whose consumer confirmed or whose lease ran out
+        (cheap: call it on every turn of the engine loop, busy or idle)."""
+        if self.kv_connector is not None and self.kv_connector.num_held:
+            for request in self.kv_connector.get_finished(time.monotonic()):
+                self.scheduler.kv_cache_manager.free(request)
 
     def check_health(self) -> str | None:
         """Why the engine cannot serve (a worker of a multi-rank engine is gone), or None."""

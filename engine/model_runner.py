@@ -76,6 +76,7 @@ class ModelRunner:
         self.num_blocks = self.executor.num_blocks
         self.sampler = Sampler(config.seed)
         self.structured_output = None  # the engine's StructuredOutputManager: masks constrained rows' logits
+        self.kv_connector = None  # the scheduler's KV connector (disaggregated prefill/decode), set by the engine
         self.block_table = BlockTable(config.max_num_seqs, -(-self.max_model_len // self.block_size))
         self.ngram = NgramProposer(draft.prompt_lookup_min, draft.prompt_lookup_max) if draft and draft.method == "ngram" else None
         self.drafter = None
@@ -172,12 +173,19 @@ class ModelRunner:
 
         inp = ModelInput.build(input_ids, starts, q_lens, self.block_table.table[rows, : max(widths)], self.block_size,
                                logit_rows)
+        if self.kv_connector is not None:
+            meta = self.kv_connector.build_connector_meta(so.requests, so.num_scheduled_tokens,
+                                                          [kv.get_block_ids(r) for r in so.requests])
+            inp.kv_meta = meta or None
         return StepPlan(so, inp, samplers, num_sampled, prompt_rows, draft_probs)
 
     @torch.inference_mode()
     def finish(self, plan: StepPlan, logits: torch.Tensor | None) -> ModelRunnerOutput:
         """Sample (and verify drafts, and gather logprobs) from the step's logits."""
         so, samplers, num_sampled, draft_probs = plan.so, plan.samplers, plan.num_sampled, plan.draft_probs
+        if plan.inp.kv_meta is not None:  # every rank has loaded them: the staged files are spent
+            for load in plan.inp.kv_meta.loads:
+                self.kv_connector.discard(load.name)
         out = ModelRunnerOutput([None] * len(so.requests), [None] * len(so.requests), {})
         if logits is None:
             return out

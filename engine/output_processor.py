@@ -125,6 +125,7 @@ class OutputProcessor:
             prompt_logprobs=prompt_logprobs,
             metrics=_metrics(requests, finished),
             error=errors[0] if errors else None,
+            kv_transfer_params=first.kv_transfer_result if finished else None,
         )
 
     def _completion(self, sample: _Sample, kind: RequestOutputKind) -> CompletionOutput:

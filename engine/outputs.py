@@ -89,6 +89,8 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when this request failed on its own (finish_reason "error")
+    # Set on a KV producer's final output: where a consumer finds the prompt's KV (engine/kv_transfer).
+    kv_transfer_params: dict | None = None
 
 
 def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
@@ -126,4 +128,5 @@ def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
         prompt_logprobs=prompt_logprobs,
         metrics=metrics,
         error=last.error,
+        kv_transfer_params=last.kv_transfer_params,
     )

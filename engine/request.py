@@ -54,6 +54,10 @@ class Request:
     seed: int | None = None  # this sample's seed (derived per child when n > 1)
     parent_id: str | None = None  # the request the caller knows; None when it is this one
     index: int = 0  # which of the parent's n samples
+    # Disaggregated prefill/decode (engine/kv_transfer): what the caller says of the KV (produce it for a
+    # consumer, or load it from a producer), and, once finished, what a consumer needs to load it.
+    kv_transfer_params: dict | None = None
+    kv_transfer_result: dict | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

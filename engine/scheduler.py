@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_transfer import KVConnector
 from engine.request import Request, RequestStatus
 from engine.spec_decode.eligibility import can_draft
 
@@ -106,8 +107,10 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         policy: Literal["fcfs", "priority"] = "fcfs",
         num_speculative_tokens: int = 0,
+        connector: KVConnector | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.connector = connector  # disaggregated prefill/decode: KV loaded from, or held for, another engine
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -186,11 +189,16 @@ class Scheduler:
             request = self.waiting.peek()
             hit_blocks = kv.get_computed_blocks(request)
             num_hit = len(hit_blocks) * kv.block_size
-            remaining = request.num_tokens - num_hit
+            # KV another engine computed (its prefill), loaded in this step rather than computed: only at
+            # first admission (a preempted request recomputes what its prefix cache lost).
+            num_external = 0
+            if self.connector is not None and request.num_cached_tokens < 0:
+                num_external = self.connector.get_num_new_matched_tokens(request, num_hit)
+            remaining = request.num_tokens - num_hit - num_external
             if not self.enable_chunked_prefill and remaining > budget:
                 break
             num_new = min(remaining, budget)
-            if not kv.allocate_slots(request, num_new, hit_blocks):
+            if not kv.allocate_slots(request, num_external + num_new, hit_blocks):
                 break
             self.waiting.pop()
             if request.num_cached_tokens < 0:  # first admission; a resumed request is not a new query
@@ -199,6 +207,9 @@ class Scheduler:
                 kv.record_prefix_hit(request, num_hit)
                 self.num_prompt_tokens += request.num_prompt_tokens
             request.num_computed_tokens = num_hit
+            if num_external:
+                self.connector.update_state_after_alloc(request, kv.get_block_ids(request), num_external)
+                request.num_computed_tokens += num_external
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.requests.append(request)
@@ -270,7 +281,8 @@ class Scheduler:
                 continue
             computed = request.num_computed_tokens + num_tokens
             request.num_computed_tokens = computed
-            if computed // block_size != (computed - num_tokens) // block_size:  # a block just filled
+            # A block just filled, or blocks of KV loaded from another engine are now usable.
+            if computed // block_size != (computed - num_tokens) // block_size or request.kv_transfer_params:
                 kv.cache_computed_blocks(request)
             if token is None:
                 continue
@@ -355,7 +367,12 @@ class Scheduler:
             self.running.remove(request)
         request.status = status
         request.finished_time = time.monotonic()
-        self.kv_cache_manager.free(request)
+        held = False
+        if self.connector is not None:
+            block_ids = self.kv_cache_manager.req_to_block_ids.get(request.request_id, [])
+            held, request.kv_transfer_result = self.connector.request_finished(request, block_ids)
+        if not held:  # a producer's connector keeps them for the consumer, under a lease
+            self.kv_cache_manager.free(request)
         self._released.append(request.request_id)
         del self.requests[request.request_id]
         self.num_finished += 1

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.kv_transfer import KVConnectorMetadata
 from kernels.attention import AttentionMetadata
 
 
@@ -26,6 +27,7 @@ class ModelInput:
     block_tables: np.ndarray
     slot_mapping: np.ndarray  # int64 [num_tokens]
     logit_rows: np.ndarray  # int64: token rows whose logits are needed, in the sampler's order
+    kv_meta: KVConnectorMetadata | None = None  # KV to load before the forward and save after it
 
     @classmethod
     def build(cls, input_ids: list[int], starts: list[int], q_lens: list[int], block_tables: np.ndarray,

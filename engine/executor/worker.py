@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.distributed import ParallelGroups, ParallelLayout, init_parallel_groups, parallel_groups
 from engine.distributed.message_queue import MessageQueueReader
 from engine.executor.model_input import ModelInput
+from engine.kv_transfer.shared_memory import SharedMemoryConnector, kv_layout
 from engine.model_spec import ModelSpec
 from engine.models.loader import build_model, weight_bytes
 from kernels.attention import get_attention_backend
@@ -64,6 +65,12 @@ class Worker:
                 self.model = build_model(spec.model_config, spec.path, load_format, spec.dtype, device,
                                          config.seed, config.max_num_seqs)
         self.pp = groups.pp if groups is not None else None
+        self.kv_connector = None
+        if config.kv_transfer_config is not None:
+            layout, stages = kv_layout(config, spec.model_config, spec.dtype)
+            rank = groups.world.global_rank if groups is not None else 0
+            self.kv_connector = SharedMemoryConnector(config.kv_transfer_config, "worker", layout, config.block_size,
+                                                      spec.dtype, rank, stages)
         self.attn_backend = None
         self._sends: list = []  # in-flight sends to the next stage, with the tensors they read
 
@@ -115,6 +122,10 @@ class Worker:
         self._sends = []
         dev = self.device
         self.attn_backend.plan(inp.attention_metadata(dev))
+        meta = inp.kv_meta
+        layers = self.model.attention_layers
+        if meta is not None and meta.loads:  # loaded synchronously: every layer's before the forward
+            self.kv_connector.start_load_kv(meta, [attn.kv_cache for attn in layers])
         input_ids = torch.from_numpy(inp.input_ids).to(dev)
         positions = torch.from_numpy(inp.positions).to(dev)
         intermediate = None
@@ -123,8 +134,16 @@ class Worker:
             shape = (inp.num_tokens, self.spec.model_config.hidden_size)
             intermediate = tuple(pp.recv([shape, shape], self.spec.dtype, pp.rank_in_group - 1, dev))
         out = self.model(input_ids, positions, self.attn_backend, intermediate)
-        if pp is not None and not pp.is_last:
+        last_stage = pp is None or pp.is_last
+        if not last_stage:  # hidden states on their way to the next stage before anything else
             self._sends = pp.send(list(out), pp.rank_in_group + 1)
+        if meta is not None and meta.saves:
+            for i, attn in enumerate(layers):
+                self.kv_connector.save_kv_layer(i, attn.kv_cache, meta)
+            self.kv_connector.wait_for_save()
+            if self.groups is not None:  # the driver reports the KV saved only once every rank has saved
+                self.groups.world.barrier()
+        if not last_stage:
             return None
         if not len(inp.logit_rows):
             return None

@@ -1,0 +1,113 @@
+"""Disaggregated prefill/decode inside the engine (engine/kv_transfer): a producer engine computes prompts
+and stages their KV; a consumer engine loads it, recomputes only the last prompt token and decodes the
+same greedy tokens and logprobs as an engine that did everything; the producer holds the blocks under a
+lease, released by the consumer's confirmation or by time; nothing is left staged or held."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
+from engine.kv_transfer.shared_memory import staged_path
+from tests.engine.test_hf_parity import PROMPTS
+
+# FINAL_ONLY: the final output's metrics then hold every step the request took part in.
+DECODE = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3, output_kind=RequestOutputKind.FINAL_ONLY)
+PREFILL = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+ENGINE = dict(dtype="float32", num_kv_blocks=256, max_num_seqs=8, max_model_len=400, max_num_batched_tokens=128)
+
+
+def _engine(path, role: str | None = None, **kwargs) -> LLMEngine:
+    transfer = {"kv_transfer_config": {"kv_role": role, "lease_s": 30.0}} if role else {}
+    return LLMEngine(EngineConfig(model=str(path), **{**ENGINE, **transfer, **kwargs}))
+
+
+def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams, dict | None]]) -> dict:
+    for rid, (prompt, params, transfer) in requests.items():
+        engine.add_request(prompt, params, request_id=rid, kv_transfer_params=transfer)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return finished
+
+
+def _idle(engine: LLMEngine) -> bool:
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    return pool.get_num_free_blocks() == pool.num_usable_blocks and not engine.scheduler.in_flight
+
+
+@pytest.mark.parametrize("layout", [(1, 1), (2, 1)], ids=["tp1", "tp2"])
+def test_decode_from_transferred_kv_equals_colocated(hf_checkpoint, layout):
+    path = hf_checkpoint("qwen3")
+    tp, pp = layout
+    prompts = {f"r{i}": p for i, p in enumerate(PROMPTS[:5])}
+    colocated = _run(_engine(path), {rid: (p, DECODE, None) for rid, p in prompts.items()})
+    producer = _engine(path, "kv_producer", tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    consumer = _engine(path, "kv_consumer", tensor_parallel_size=tp, pipeline_parallel_size=pp, collect_step_timings=True)
+    try:
+        prefilled = _run(producer, {rid: (p, PREFILL, {"do_remote_decode": True}) for rid, p in prompts.items()})
+        assert producer.kv_connector.num_held == len(prompts) and not _idle(producer)  # under lease
+        decoded = _run(consumer, {rid: (p, DECODE, prefilled[rid].kv_transfer_params) for rid, p in prompts.items()})
+        for rid, prompt in prompts.items():
+            ours, ref = decoded[rid].outputs[0], colocated[rid].outputs[0]
+            assert ours.token_ids == ref.token_ids, rid
+            for mine, theirs in zip(ours.logprobs, ref.logprobs):
+                for token, lp in theirs.items():
+                    assert mine[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
+            assert decoded[rid].metrics.steps[0].num_tokens == 1  # only the last prompt token was computed
+            params = prefilled[rid].kv_transfer_params
+            assert not any(staged_path("/dev/shm", params["name"], r).exists() for r in range(tp * pp))  # loaded: gone
+        for rid in prompts:
+            producer.release_kv(rid)
+        assert producer.kv_connector.num_held == 0 and _idle(producer) and _idle(consumer)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def test_lease_expiry_frees_the_blocks_and_the_staged_kv(tiny_model_path):
+    producer = LLMEngine(EngineConfig(model=str(tiny_model_path), num_kv_blocks=64, max_model_len=512,
+                                      kv_transfer_config={"kv_role": "kv_producer", "lease_s": 0.3}))
+    out = _run(producer, {"a": (PROMPTS[3], PREFILL, {"do_remote_decode": True})})["a"]
+    name = out.kv_transfer_params["name"]
+    assert staged_path("/dev/shm", name, 0).is_file() and not _idle(producer)
+    time.sleep(0.4)
+    producer.poll_kv_leases()
+    assert _idle(producer) and not staged_path("/dev/shm", name, 0).exists()
+
+
+def test_unusable_transfers_are_recomputed(hf_checkpoint):
+    """A consumer recomputes the prompt when the staged KV is gone or of another layout (here: another
+    dtype); an aborted producer request stages nothing and holds nothing."""
+    path = hf_checkpoint("llama")
+    prompt = PROMPTS[4]
+    reference = _run(_engine(path), {"a": (prompt, DECODE, None)})["a"].outputs[0].token_ids
+    producer = _engine(path, "kv_producer")
+    params = _run(producer, {"a": (prompt, PREFILL, {"do_remote_decode": True})})["a"].kv_transfer_params
+    other_dtype = _engine(path, "kv_consumer", dtype="bfloat16", collect_step_timings=True)
+    out = _run(other_dtype, {"a": (prompt, DECODE, params)})["a"]
+    assert out.metrics.steps[0].num_tokens > 1  # recomputed
+    producer.release_kv("a")
+    producer.poll_kv_leases()
+    consumer = _engine(path, "kv_consumer", collect_step_timings=True)
+    out = _run(consumer, {"a": (prompt, DECODE, params)})["a"]  # the staged files went with the release
+    assert out.outputs[0].token_ids == reference and out.metrics.steps[0].num_tokens > 1
+    producer.add_request(prompt, PREFILL, request_id="b", kv_transfer_params={"do_remote_decode": True})
+    producer.abort_request("b")
+    assert producer.kv_connector.num_held == 0 and _idle(producer) and _idle(consumer)
+
+
+def test_n_samples_share_the_transferred_prefix(hf_checkpoint):
+    path = hf_checkpoint("qwen3")
+    prompt = PROMPTS[5]
+    sampled = SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=8, ignore_eos=True)
+    reference = _run(_engine(path), {"a": (prompt, sampled, None)})["a"]
+    producer, consumer = _engine(path, "kv_producer"), _engine(path, "kv_consumer")
+    params = _run(producer, {"a": (prompt, PREFILL, {"do_remote_decode": True})})["a"].kv_transfer_params
+    out = _run(consumer, {"a": (prompt, sampled, params)})["a"]
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in reference.outputs]
+    assert out.num_cached_tokens == 0  # the consumer's own prefix cache had nothing: the KV came from afar
