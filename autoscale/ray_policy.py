@@ -11,7 +11,8 @@
         policy_function: autoscale.ray_policy:KVQueueAutoscalingPolicy
         policy_kwargs: {target_kv_cache_usage: 0.75, target_waiting_per_replica: 2, downscale_delay_s: 30}
 
-Replicas report kv_cache_usage, num_waiting and num_running through `record_autoscaling_stats`
+Replicas report kv_cache_usage, num_waiting, num_running, queued_prefill_tokens and ttft_s through
+`record_autoscaling_stats`
 (serve_app/llm_server.py). The policy runs inside the Serve controller: it never raises there (on any
 error it keeps the current target and logs)."""
 
@@ -38,9 +39,10 @@ class KVQueueAutoscalingPolicy:
 
     def _decide(self, ctx) -> int:
         metrics = ctx.aggregated_metrics or {}
-        kv, waiting, running = (metrics.get(k, {}) for k in ("kv_cache_usage", "num_waiting", "num_running"))
+        kv, waiting, running, prefill, ttft = (metrics.get(k, {}) for k in (
+            "kv_cache_usage", "num_waiting", "num_running", "queued_prefill_tokens", "ttft_s"))
         replicas = [
-            ReplicaMetrics(kv.get(r, 0.0), waiting.get(r, 0.0), running.get(r, 0.0))
+            ReplicaMetrics(kv.get(r, 0.0), waiting.get(r, 0.0), running.get(r, 0.0), prefill.get(r, 0.0), ttft.get(r, 0.0))
             for r in ctx.running_replicas
             if r in kv  # a replica that has not reported yet is still warming up
         ]

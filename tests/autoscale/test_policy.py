@@ -101,3 +101,29 @@ def test_ray_adapter_on_an_autoscaling_context():
     bad = ctx([0.9, 0.9], [0, 0])
     bad.aggregated_metrics = "not a dict"  # anything inside raising must not reach the controller
     assert broken(bad)[0] == 2
+
+
+PREFILL = KVQueuePolicyConfig(target_kv_cache_usage=None, target_waiting_per_replica=None,
+                              target_queued_prefill_tokens=4096, target_ttft_s=1.0, downscale_delay_s=30)
+
+
+def p(prefill_tokens=0.0, ttft=0.0, kv=0.0, waiting=0):
+    return ReplicaMetrics(kv, waiting, 0, prefill_tokens, ttft)
+
+
+def test_prefill_pool_scales_on_queued_prefill_tokens_and_ttft_not_kv():
+    def prefill(metrics, target=None, now=0.0, state=None):
+        return desired_replicas(metrics, len(metrics) if target is None else target, 0, now,
+                                state or PolicyState(), PREFILL, 1, 8)
+
+    assert prefill([p(kv=0.99, waiting=20)] * 2) == 2  # full KV and queues do not move a prefill pool
+    assert prefill([p(prefill_tokens=9000), p(prefill_tokens=7000)]) == 4  # 16000 tokens at 4096 each
+    assert prefill([p(ttft=1.5), p(ttft=2.5)]) == 4  # TTFT 2 s on average at a 1 s target: twice the replicas
+    state = PolicyState()
+    assert prefill([p(800, 0.2), p(600, 0.1)], now=0.0, state=state) == 2
+    assert prefill([p(800, 0.2), p(600, 0.1)], now=31.0, state=state) == 1  # fits on one for 30 s: down
+
+
+def test_a_config_without_signals_is_refused():
+    with pytest.raises(ValueError, match="every target is None"):
+        KVQueuePolicyConfig(target_kv_cache_usage=None, target_waiting_per_replica=None)
