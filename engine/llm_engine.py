@@ -407,6 +407,9 @@ class LLMEngine:
             num_waiting=s.num_waiting + sum(map(len, self._parked.values())) + sum(map(len, self._compiling.values())),
             num_kv_blocks=kv.block_pool.num_usable_blocks,
             block_size=self.config.block_size,
+            queued_prefill_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                                      for queue in (s.running, s.waiting) for r in queue),
+            num_kv_held=self.kv_connector.num_held if self.kv_connector is not None else 0,
             num_preemptions=s.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,

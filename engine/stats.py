@@ -13,6 +13,8 @@ class EngineStats:
     num_waiting: int
     num_kv_blocks: int
     block_size: int
+    queued_prefill_tokens: int = 0  # prompt tokens of waiting and running requests not yet computed
+    num_kv_held: int = 0  # finished requests whose blocks a KV producer holds for a consumer
     # Counters since start.
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # tokens
