@@ -51,6 +51,9 @@ class RoutingDecision:
     matched_blocks: int  # prompt blocks the first choice is estimated to hold
     reason: str  # "prefix" | "load" | "short_prompt" | "spill"
     source: str  # where matched_blocks came from: "precise" | "approximate" | "none"
+    # Prompt blocks each replica is estimated to hold (when Serve falls through to a later choice, the
+    # P/D orchestrator asks what that one holds).
+    matched_by_replica: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -58,6 +61,7 @@ class PrefixRouterConfig:
     """Every knob is a `request_router_kwargs` setting of the `prefix` router."""
 
     block_size: int = 16  # tokens per block: the engine's block_size
+    affinity: bool = True  # False: route by load and KV usage alone (a decode pool: its prompts come prefilled)
     min_prefix_blocks: int = 2  # prompts with fewer full blocks are routed by load alone
     waiting_cost_tokens: float = 256.0  # a request queued ahead delays us like prefilling this many tokens
     running_cost_tokens: float = 32.0  # a running request slows each step a little
@@ -123,9 +127,10 @@ class PrefixRouterPolicy:
         cfg = self.config
         hashes = [short_hash(h) for h in block_hashes]
         key = hashes[0] if hashes else 0
-        if len(hashes) < cfg.min_prefix_blocks:
-            ranked = sorted(replicas, key=lambda r: (self._load_cost(r, now), _rendezvous(key, r.replica_id)))
-            return RoutingDecision([r.replica_id for r in ranked], 0, "short_prompt", "none")
+        if len(hashes) < cfg.min_prefix_blocks or not cfg.affinity:
+            ranked = sorted(replicas, key=lambda r: (self._load_cost(r, now) + self._kv_cost(r, len(hashes)),
+                                                     _rendezvous(key, r.replica_id)))
+            return RoutingDecision([r.replica_id for r in ranked], 0, "short_prompt" if cfg.affinity else "load", "none")
         scored = []
         for r in replicas:
             matched, source = self._matched(hashes, r, now)
@@ -143,7 +148,8 @@ class PrefixRouterPolicy:
             reason = "prefix"
         else:
             reason = "spill"  # a holder exists but is too busy: this one will cache the prefix too
-        return RoutingDecision([s[2].replica_id for s in scored], matched, reason, source if matched else "none")
+        return RoutingDecision([s[2].replica_id for s in scored], matched, reason, source if matched else "none",
+                               {s[2].replica_id: s[3] for s in scored})
 
     def record(self, block_hashes: list[int], replica_id: str, now: float) -> None:
         """The request went to `replica_id`: from now on it (approximately) holds the prompt's blocks,
@@ -178,6 +184,14 @@ class PrefixRouterPolicy:
         if r.stats_age_s == float("inf"):  # never reported: what this router has in flight there
             newer = len(self._in_flight.get(r.replica_id, ()))
         return cfg.waiting_cost_tokens * (waiting + newer) + cfg.running_cost_tokens * running
+
+    def _kv_cost(self, r: ReplicaLoad, num_blocks: int) -> float:
+        """Routed by load alone, a nearly full KV cache still costs: the prompt's blocks would evict or
+        preempt there."""
+        cfg = self.config
+        if r.kv_cache_usage < cfg.kv_full_usage:
+            return 0.0
+        return num_blocks * cfg.block_size * (cfg.kv_full_token_factor - 1)
 
     def _matched(self, hashes: list[int], r: ReplicaLoad, now: float) -> tuple[int, str]:
         """Blocks of the prompt, from block 0, the replica holds; and which knowledge said so. A fresh

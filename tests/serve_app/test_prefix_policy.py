@@ -148,3 +148,14 @@ def test_a_burst_before_the_next_report_does_not_pile_onto_one_replica():
     for rid in chosen:
         policy.complete(rid)
     assert all(not v for v in policy._in_flight.values())
+
+
+def test_per_replica_matches_and_load_only_routing_for_a_decode_pool():
+    h = prompt(2, 1)
+    loads = replicas(a=ReplicaLoad("a", cached_blocks=holding(h, 20), num_running=3),
+                     b=ReplicaLoad("b", cached_blocks=holding(h, 6)), c=ReplicaLoad("c", kv_cache_usage=0.97))
+    d = PrefixRouterPolicy().route(h, loads, now=0.0)
+    assert d.matched_by_replica == {"a": 20, "b": 6, "c": 0}
+    decode = PrefixRouterPolicy(PrefixRouterConfig(affinity=False)).route(h, loads, now=0.0)
+    # Load and KV usage alone: b (idle, room) before a (busy, though it holds the prefix) before c (KV full).
+    assert decode.ranked == ["b", "a", "c"] and decode.reason == "load" and decode.matched_blocks == 0
