@@ -190,6 +190,9 @@ def main() -> None:
     ap.add_argument("--only", choices=["app", "llamacpp"], help="run one side only (for profiling)")
     ap.add_argument("--profile", type=Path, help="py-spy the app's processes during the rate load; files here")
     ap.add_argument("--app-log", type=Path, help="serve run's output goes here")
+    ap.add_argument("--baseline", type=Path, metavar="CHECKOUT",
+                    help="also serve the app from this checkout (an earlier commit), as its `make run` did then: "
+                    "HAProxy only (the before column)")
     ap.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
                     help="more variables for the app's Ray processes (Serve's flags, for experiments)")
     args = ap.parse_args()
@@ -202,6 +205,13 @@ def main() -> None:
     print(f"model {model}; {args.num_requests} requests at {args.rate}/s and {args.burst} at once; prompts 32-256, "
           f"outputs 16-128 tokens", flush=True)
     rows: list[dict] = []
+
+    if args.baseline and args.only != "llamacpp":
+        from serve_app.app import HAPROXY_INGRESS_ENV
+
+        with serve_process.serve_run(config, args.port, root=args.baseline, base_env=HAPROXY_INGRESS_ENV) as app:
+            rows += measure(f"pagedserve app before ({args.baseline.name})",
+                            lambda c, p, m: send_openai(c, app.url, model, p, m), loads)
 
     if args.only != "llamacpp":
         env = dict(item.split("=", 1) for item in args.env)
@@ -252,7 +262,7 @@ def _builtin_dir(model: str) -> Path:
 
 def ratios(rows: list[dict], args) -> None:
     rate_load, burst_load = f"{args.rate:g} req/s", f"{args.burst} at once"
-    ours = {r["load"]: r for r in rows if r["system"].startswith("pagedserve app")}
+    ours = {r["load"]: r for r in rows if r["system"].startswith("pagedserve app (")}
     offline = next((r for r in rows if r.get("offline")), None)
     peers = [r for r in rows if r["system"].startswith("llama-server")]
     print()

@@ -87,23 +87,29 @@ class ServeApp:
         return out
 
 
-def serve_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+def serve_env(extra: dict[str, str] | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
     from serve_app.app import SERVE_ENV
 
-    return {**os.environ, **SERVE_ENV, "RAY_ADDRESS": "local", **(extra or {})}  # a fresh local Ray, never another's
+    base = SERVE_ENV if base is None else base
+    return {**os.environ, **base, "RAY_ADDRESS": "local", **(extra or {})}  # a fresh local Ray, never another's
 
 
 @contextmanager
 def serve_run(config: dict, port: int, ready_timeout_s: float = 300, log: Path | None = None,
-              env: dict[str, str] | None = None) -> Iterator[ServeApp]:
+              env: dict[str, str] | None = None, root: Path = ROOT,
+              base_env: dict[str, str] | None = None) -> Iterator[ServeApp]:
     """`serve run` of `config` (with its HTTP port set to `port`), up and healthy; stopped with SIGTERM.
-    `env`: more variables for every Ray process (Serve's flags, for experiments)."""
+    `env`: more variables for every Ray process (Serve's flags, for experiments). `root`: the checkout
+    whose code serves (another one's, to compare with a baseline), with `base_env` instead of SERVE_ENV."""
     config = {**config, "http_options": {**config.get("http_options", {}), "host": "127.0.0.1", "port": port}}
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="pagedserve-bench-", delete=False) as f:
         yaml.safe_dump(config, f)
     out = open(log, "w") if log else subprocess.DEVNULL
     serve_bin = Path(sys.executable).parent / "serve"
-    proc = subprocess.Popen([str(serve_bin), "run", f.name], cwd=ROOT, env=serve_env(env), stdout=out,
+    # HAProxy's stats and metrics ports are fixed unless set: never collide with another app on this machine.
+    env = {"RAY_SERVE_HAPROXY_STATS_PORT": str(port + 1404), "RAY_SERVE_HAPROXY_METRICS_PORT": str(port + 2101),
+           **(env or {})}
+    proc = subprocess.Popen([str(serve_bin), "run", f.name], cwd=root, env=serve_env(env, base_env), stdout=out,
                             stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
