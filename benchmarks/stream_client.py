@@ -81,6 +81,19 @@ async def run_open_loop(requests: list[Request], send: Callable[[list[int], int]
     return results, time.perf_counter() - start
 
 
+async def sse_data(response: httpx.Response):
+    """The `data:` payloads of a server-sent event stream. Lines end at "\n" only: httpx's aiter_lines
+    (str.splitlines) also ends them at U+0085, U+2028 and U+2029, which JSON may carry unescaped (llama-server
+    does, in generated text) and which would cut an event in two."""
+    buffer = ""
+    async for text in response.aiter_text():
+        buffer += text
+        *lines, buffer = buffer.split("\n")
+        for line in lines:
+            if line.startswith("data: "):
+                yield line[6:].rstrip("\r")
+
+
 def http_client() -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1000, max_keepalive_connections=1000))
 
@@ -92,9 +105,9 @@ async def send_openai(client: httpx.AsyncClient, url: str, model: str, prompt: l
     result = Result()
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):  # continuous usage: the tokens so far, hence this event's
-                result.event(json.loads(line[6:])["usage"]["completion_tokens"] - result.tokens)
+        async for data in sse_data(r):
+            if data.startswith("{"):  # continuous usage: the tokens so far, hence this event's
+                result.event(json.loads(data)["usage"]["completion_tokens"] - result.tokens)
     return result.done()
 
 
@@ -106,9 +119,9 @@ async def send_llamacpp(client: httpx.AsyncClient, url: str, prompt: list[int], 
     result = Result()
     async with client.stream("POST", url + "/completion", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                result.event(len(json.loads(line[6:]).get("tokens") or ()))
+        async for data in sse_data(r):
+            if data.startswith("{"):
+                result.event(len(json.loads(data).get("tokens") or ()))
     return result.done()
 
 

@@ -70,8 +70,8 @@ class LLMServer:
         lags (AsyncLLM merges the deltas that queued up meanwhile) or the CPU is saturated (StreamPacing:
         the stream rests between messages), never by a budget. What crosses to the ingress is slimmed:
         the prompt's token ids only in the first message (the ingress tokenized them; it needs their
-        count once) and no engine timings (metrics and traces are made here). Cancellation (the caller went away) aborts the request
-        and frees its KV blocks."""
+        count once) and no engine timings (metrics and traces are made here). Cancellation (the caller
+        went away) aborts the request and frees its KV blocks."""
         request_trace = _RequestTrace(self, request) if self.tracer is not None else None
         first = True
         try:
