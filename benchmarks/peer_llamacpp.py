@@ -106,11 +106,12 @@ def llama_server(llama: llamacpp.LlamaCpp, gguf: Path, slots: int, threads: int,
 # --- measuring ---------------------------------------------------------------------------------------
 
 
-def measure(name: str, send, loads: dict[str, list[Request]], on_load_start=None, on_load_end=None) -> list[dict]:
+def measure(name: str, send, loads: dict[str, list[Request]], on_load_start=None, on_load_end=None,
+            keepalive: bool = True) -> list[dict]:
     """Each load in turn against one running server: a warm-up, then the open loop."""
 
     async def go(requests):
-        async with http_client() as client:
+        async with http_client(keepalive) as client:
             await asyncio.gather(*(send(client, p, 8) for _, p, _ in requests[:4]))  # warm-up
             return await run_open_loop(requests, lambda p, m: send(client, p, m))
 
@@ -121,7 +122,10 @@ def measure(name: str, send, loads: dict[str, list[Request]], on_load_start=None
         results, duration = asyncio.run(go(requests))
         extra = on_load_end(load, len(requests)) if on_load_end else {}
         rows.append({**summarize(name, results, duration), "load": load, **(extra or {})})
-        print(f"  {name}, {load}: {rows[-1]['throughput']:.0f} tok/s, TTFT p50 {rows[-1]['ttft_p50']:.0f} ms", flush=True)
+        r = rows[-1]  # the whole row at once: a later failure must not lose it
+        print(f"  {name}, {load}: {r['throughput']:.0f} tok/s, TTFT p50/p95/p99 {r['ttft_p50']:.0f}/{r['ttft_p95']:.0f}/"
+              f"{r['ttft_p99']:.0f} ms, ITL p50/p99 {r['itl_p50']:.1f}/{r['itl_p99']:.1f} ms, TPOT {r['tpot_mean']:.1f} ms, "
+              f"{r['tokens_per_event']:.2f} tokens/event ({100 * r['single_token_events']:.1f}% single)", flush=True)
     return rows
 
 
@@ -244,7 +248,8 @@ def main() -> None:
         gguf = llamacpp.convert_to_gguf(hf_dir, llamacpp.cache_dir() / "models" / f"{hf_dir.name}-f32.gguf", "f32", llama)
         for slots in args.slots:
             with llama_server(llama, gguf, slots, args.threads, args.port + 1) as url:
-                rows += measure(f"llama-server, {slots} slots", lambda c, p, m: send_llamacpp(c, url, p, m), loads)
+                rows += measure(f"llama-server, {slots} slots", lambda c, p, m: send_llamacpp(c, url, p, m), loads,
+                                keepalive=False)
 
     table(rows)
     for r in rows:

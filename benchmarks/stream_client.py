@@ -94,8 +94,11 @@ async def sse_data(response: httpx.Response):
                 yield line[6:].rstrip("\r")
 
 
-def http_client() -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1000, max_keepalive_connections=1000))
+def http_client(keepalive: bool = True) -> httpx.AsyncClient:
+    """`keepalive=False` for servers that close idle connections sooner than a client reuses them
+    (llama-server: a reused, already closed connection fails the request before a byte comes back)."""
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000 if keepalive else 0)
+    return httpx.AsyncClient(timeout=600, limits=limits)
 
 
 async def send_openai(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> Result:
