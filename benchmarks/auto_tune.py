@@ -114,7 +114,7 @@ def main() -> None:
     ap.add_argument("--rates", type=float, nargs="+", default=[2, 4, 6, 8], help="request rates to climb, per second")
     ap.add_argument("--duration", type=float, default=20, help="seconds of arrivals per rate")
     ap.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)), help="cores for engine replicas")
-    ap.add_argument("--port", type=int, default=8500)
+    ap.add_argument("--port", type=int, default=8570)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="write the best args: section here")
     ap.add_argument("--only", nargs="+", choices=["layout", "max_num_seqs", "max_num_batched_tokens", "stream"],

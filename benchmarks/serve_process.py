@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -101,6 +102,9 @@ def serve_run(config: dict, port: int, ready_timeout_s: float = 300, log: Path |
     """`serve run` of `config` (with its HTTP port set to `port`), up and healthy; stopped with SIGTERM.
     `env`: more variables for every Ray process (Serve's flags, for experiments). `root`: the checkout
     whose code serves (another one's, to compare with a baseline), with `base_env` instead of SERVE_ENV."""
+    with socket.socket() as probe:  # another app on this port would answer our health checks and requests
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            raise RuntimeError(f"port {port} is already in use; pick another (--port)")
     config = {**config, "http_options": {**config.get("http_options", {}), "host": "127.0.0.1", "port": port}}
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="pagedserve-bench-", delete=False) as f:
         yaml.safe_dump(config, f)
