@@ -128,20 +128,26 @@ def main() -> None:
           f"each; {opts.cores} cores; base {Path(opts.config).name}", flush=True)
     rows: list[dict] = []
     started = time.monotonic()
-    for name, values in dimensions(opts.cores):
-        if opts.only and name not in opts.only:
-            continue
-        results = []
-        for change in values:
-            args = merge(best_args, change)
-            row = {"dimension": name, "change": describe(change), "args": args,
-                   **trial(config, args, opts.rates, opts.duration, opts.port, slo, opts.seed)}
-            rows.append(row)
-            results.append(row)
-            last = row["last"]
-            print(f"  [{name}] {row['change']}: max rate {row['rate']:g}/s ({row['throughput']:.0f} tok/s); at "
-                  f"{last['rate']:g}/s TTFT p99 {last['ttft_p99']:.0f} ms, ITL p99 {last['itl_p99']:.0f} ms", flush=True)
-        best_args = max(results, key=score)["args"]
+    try:
+        for name, values in dimensions(opts.cores):
+            if opts.only and name not in opts.only:
+                continue
+            results = []
+            for change in values:
+                args = merge(best_args, change)
+                row = {"dimension": name, "change": describe(change), "args": args,
+                       **trial(config, args, opts.rates, opts.duration, opts.port, slo, opts.seed)}
+                rows.append(row)
+                results.append(row)
+                last = row["last"]
+                print(f"  [{name}] {row['change']}: max rate {row['rate']:g}/s ({row['throughput']:.0f} tok/s); at "
+                      f"{last['rate']:g}/s TTFT p99 {last['ttft_p99']:.0f} ms, ITL p99 {last['itl_p99']:.0f} ms",
+                      flush=True)
+            best_args = max(results, key=score)["args"]
+    except KeyboardInterrupt:  # a long sweep stopped early still reports what it measured
+        print(f"\nstopped after {len(rows)} trials", flush=True)
+        if not rows:
+            return
     best = max(rows, key=score)
 
     print()
