@@ -1,5 +1,5 @@
 # Two commands for a newcomer on a fresh machine:
-#   make run    install everything, then start the main job
+#   make run    install everything, then start the main job (Ctrl-C stops it)
 #   make test   install everything, then run the test suite
 PYTHON ?= python3
 VENV := .venv
@@ -18,11 +18,15 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# HAProxy in front of the ingress replicas instead of Ray's proxy actor (serve_app/app.py, HAPROXY_INGRESS_ENV).
-HAPROXY_INGRESS_ENV := RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_ENABLE_HA_PROXY=1
+# Ray Serve's settings for the app (serve_app/app.py, SERVE_ENV, says why each): HAProxy in front of the
+# ingress replicas instead of Ray's proxy actor, a 1 s deregistration window for a stopping ingress, and
+# one event loop per replica process.
+SERVE_ENV := RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=1 \
+	RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0
 
+# serve_app/run.py is `serve run` with a Ctrl-C that drains the streams in flight before the proxies go.
 run: install
-	$(HAPROXY_INGRESS_ENV) $(BIN)/serve run configs/default.yaml
+	$(SERVE_ENV) $(BIN)/python -m serve_app.run configs/default.yaml
 
 # The suite serves HTTP as `make run` does (HAProxy); the HTTP-facing tests run again through Ray's proxy
 # actor, which a plain `serve run` uses.

@@ -7,21 +7,18 @@ open-loop workload.
 Workload (fixed seed): Poisson arrivals at --rate requests/s; prompt and output lengths drawn from
 lognormal fits shaped like ShareGPT conversations (long-tailed; medians ~120 prompt / ~100 output
 tokens, scaled to this CPU), random token prompts, ignore_eos so every request produces its drawn length.
-Metrics per system: output throughput, TTFT (arrival to first token), ITL (per token: the gap before a
-streamed chunk, shared by the tokens it carries), TPOT ((e2e - TTFT) / (tokens - 1)), p50 and p99; then
-the Serve/in-process ratios."""
+Metrics per system (benchmarks/stream_client.py, the client every serving benchmark shares): output
+throughput, TTFT (arrival to first token), ITL (per token: the gap before a streamed event, shared by the
+tokens it carries), TPOT ((e2e - TTFT) / (tokens - 1)), p50 and p99; then the Serve/in-process ratios."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -30,39 +27,12 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `benchmarks.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.stream_client import Result, http_client, run_open_loop, send_openai, summarize
 from engine import AsyncLLM, EngineConfig, SamplingParams
 from serve_app.app_args import AppArgs
 
 # Both systems: two torch threads (Ray would otherwise give a num_cpus=0 replica OMP_NUM_THREADS=1).
 ENGINE = {"max_model_len": 2048, "kv_cache_memory_gb": 2.0, "max_num_seqs": 128, "num_threads": 2}
-
-
-@dataclass
-class Result:
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itls: list[float] = field(default_factory=list)  # per token: a chunk's gap shared by its tokens
-    tokens: int = 0
-    chunks: int = 0
-    start: float = field(default_factory=time.perf_counter)
-    last: float | None = None
-
-    def chunk(self, new_tokens: int) -> None:
-        """A streamed chunk carrying `new_tokens` tokens arrived now."""
-        now = time.perf_counter()
-        self.tokens += new_tokens
-        if not new_tokens:
-            return
-        self.chunks += 1
-        if self.last is None:
-            self.ttft = now - self.start
-        else:
-            self.itls.extend([(now - self.last) / new_tokens] * new_tokens)
-        self.last = now
-
-    def done(self) -> Result:
-        self.e2e = time.perf_counter() - self.start
-        return self
 
 
 def workload(n: int, rate: float, seed: int) -> list[tuple[float, list[int], int]]:
@@ -77,50 +47,12 @@ def workload(n: int, rate: float, seed: int) -> list[tuple[float, list[int], int
     return out
 
 
-async def run_open_loop(requests, send) -> tuple[list[Result], float]:
-    start = time.perf_counter()
-
-    async def one(at, prompt, max_tokens):
-        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-        return await send(prompt, max_tokens)
-
-    results = await asyncio.gather(*(one(*r) for r in requests))
-    return results, time.perf_counter() - start
-
-
-async def send_http(client: httpx.AsyncClient, url: str, model: str, prompt, max_tokens) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    result = Result()
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):  # continuous usage: the tokens so far, hence this chunk's
-                result.chunk(json.loads(line[6:])["usage"]["completion_tokens"] - result.tokens)
-    return result.done()
-
-
 async def send_inprocess(llm: AsyncLLM, prompt, max_tokens) -> Result:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     result = Result()
     async for out in llm.generate(prompt, params):
-        result.chunk(len(out.outputs[0].token_ids))
+        result.event(len(out.outputs[0].token_ids))
     return result.done()
-
-
-def summarize(name: str, results: list[Result], duration: float) -> dict:
-    tokens = sum(r.tokens for r in results)
-    ttft = [r.ttft * 1e3 for r in results]
-    itl = [x * 1e3 for r in results for x in r.itls]
-    tpot = [(r.e2e - r.ttft) / (r.tokens - 1) * 1e3 for r in results if r.tokens > 1]
-
-    def pct(values, q):
-        return float(np.percentile(values, q)) if values else float("nan")
-
-    return {"system": name, "throughput": tokens / duration, "tokens": tokens, "duration": duration,
-            "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
-            "tpot_mean": statistics.fmean(tpot) if tpot else float("nan"),
-            "chunks_per_request": statistics.fmean(r.chunks for r in results)}
 
 
 async def bench_inprocess(args, requests) -> dict:
@@ -140,22 +72,21 @@ def bench_serve(args, requests, tracing: dict | None = None, name: str = "Ray Se
     import ray
     from ray import serve
 
-    from serve_app.app import HAPROXY_INGRESS_ENV, build_app
+    from serve_app.app import HAPROXY_INGRESS_ENV, SERVE_ENV, build_app
 
-    saved_env = {k: os.environ.get(k) for k in HAPROXY_INGRESS_ENV}
-    os.environ.update(HAPROXY_INGRESS_ENV if haproxy else {k: "0" for k in HAPROXY_INGRESS_ENV})
+    saved_env = {k: os.environ.get(k) for k in SERVE_ENV}
+    os.environ.update(SERVE_ENV if haproxy else {**SERVE_ENV, **{k: "0" for k in HAPROXY_INGRESS_ENV}})
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    app_args = AppArgs(model=args.model, num_replicas=1, engine=ENGINE, stream_messages_per_s=args.stream_budget,
+    app_args = AppArgs(model=args.model, num_replicas=1, engine=ENGINE,
                        tracing=tracing or {})
     serve.run(build_app(app_args), name="bench", route_prefix="/")
     url = f"http://127.0.0.1:{args.port}"
 
     async def go():
-        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-            await send_http(client, url, args.model, requests[0][1], 8)  # warm-up
-            return await run_open_loop(requests, lambda p, m: send_http(client, url, args.model, p, m))
+        async with http_client() as client:
+            await send_openai(client, url, args.model, requests[0][1], 8)  # warm-up
+            return await run_open_loop(requests, lambda p, m: send_openai(client, url, args.model, p, m))
 
     try:
         cpu_before = serving_cpu_seconds()
@@ -247,8 +178,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="--compare-tracing: off/on pairs to run")
     ap.add_argument("--compare-tracing", action="store_true",
                     help="instead: the Serve app with tracing off, then exporting OTLP/HTTP to a local receiver")
-    ap.add_argument("--stream-budget", type=float, default=AppArgs.model_fields["stream_messages_per_s"].default,
-                    help="AppArgs.stream_messages_per_s of the Serve app (0: one message per engine step)")
     args = ap.parse_args()
     requests = workload(args.num_requests, args.rate, args.seed)
     print(f"{len(requests)} requests at {args.rate}/s, {sum(len(p) for _, p, _ in requests)} prompt tokens, "
@@ -262,11 +191,11 @@ def main() -> None:
               bench_serve(args, requests, name="Ray Serve app, 1 replica, HTTP via HAProxy (direct ingress)", haproxy=True)]
     rows = [*served, local]
     print()
-    print("| system | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | TPOT mean ms | chunks/request |")
+    print("| system | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | TPOT mean ms | events/request |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['system']} | {r['throughput']:.0f} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {r['itl_p50']:.1f} | "
-              f"{r['itl_p99']:.1f} | {r['tpot_mean']:.1f} | {r['chunks_per_request']:.1f} |")
+              f"{r['itl_p99']:.1f} | {r['tpot_mean']:.1f} | {r['events_per_request']:.1f} |")
     print()
     for r in served:
         print(f"{r['system']}: output throughput / in-process {r['throughput'] / local['throughput']:.3f} (target >= 0.90); "

@@ -7,19 +7,29 @@ message first), so validation, the context-length checks and the engine path are
 route's. Anthropic-specific behaviour: consecutive turns of one role are merged into one turn (as
 Anthropic documents), a final assistant turn is a prefill the answer continues, stop sequences are
 never part of the text, and `usage.input_tokens` counts the prompt tokens not read from the prefix
-cache (`cache_read_input_tokens` the rest), as Anthropic counts them."""
+cache (`cache_read_input_tokens` the rest), as Anthropic counts them.
+
+Tool use: `tools` (name, description, input_schema) become the chat route's function tools and
+`tool_choice` its tool_choice (auto, any = "required", tool = a named function, none;
+disable_parallel_tool_use = parallel_tool_calls false), so a forced tool constrains generation to its
+input schema exactly as on the OpenAI route (serve_app/chat_tools.py). The calls come back as `tool_use`
+blocks with stop_reason "tool_use"; streamed, each is a content block whose input arrives as
+`input_json_delta` events. `tool_use` and `tool_result` blocks in the conversation reach the chat
+template as assistant `tool_calls` and `tool` messages."""
 
 from __future__ import annotations
 
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind
+from serve_app.chat_tools import ChoiceTools, plan_tools
 from serve_app.errors import APIError, from_exception
 from serve_app.http_api import json_response
 from serve_app.openai_serving import OpenAIServing, _Tally
@@ -29,12 +39,18 @@ from serve_app.protocol.anthropic import (
     MessagesRequest,
     MessagesResponse,
     MessagesUsage,
+    MessageParam,
     MessageTokensCount,
     StopReason,
     TextBlock,
+    TextBlockParam,
+    ToolResultBlockParam,
+    ToolUseBlock,
+    ToolUseBlockParam,
     new_message_id,
+    new_tool_use_id,
 )
-from serve_app.protocol.openai import ChatCompletionRequest
+from serve_app.protocol.openai import ChatCompletionRequest, DeltaToolCall, ToolCall
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +59,15 @@ _ERRORS = {status: {"model": AnthropicErrorResponse} for status in (400, 401, 40
 Event = tuple[str, dict]
 
 
-def stop_reason(c: CompletionOutput) -> tuple[StopReason, str | None]:
-    """Anthropic's (stop_reason, stop_sequence) for an engine output's finish reason."""
-    if c.finish_reason == "length":
+def stop_reason(c: CompletionOutput, finish_reason: str | None = None) -> tuple[StopReason, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) for an engine output; `finish_reason` is the one after
+    tool-call parsing ("tool_calls" when the output made calls), the engine's own by default."""
+    finish_reason = finish_reason or c.finish_reason
+    if finish_reason == "tool_calls":
+        return "tool_use", None
+    if finish_reason == "length":
         return "max_tokens", None
-    if c.finish_reason == "stop" and isinstance(c.stop_reason, str):
+    if finish_reason == "stop" and isinstance(c.stop_reason, str):
         return "stop_sequence", c.stop_reason
     return "end_turn", None  # EOS (stop_reason None)
 
@@ -57,23 +77,129 @@ def _usage(tally: _Tally) -> MessagesUsage:
                          cache_read_input_tokens=tally.cached_tokens)
 
 
+def _merged_turns(messages: list[MessageParam]) -> list[tuple[str, list]]:
+    """Consecutive turns of one role merged into one, as Anthropic documents (text of merged turns joined
+    by a blank line)."""
+    turns: list[tuple[str, list]] = []
+    for m in messages:
+        blocks = m.blocks()
+        if turns and turns[-1][0] == m.role:
+            turns[-1][1].extend([TextBlockParam(type="text", text="\n\n"), *blocks])
+        else:
+            turns.append((m.role, blocks))
+    return turns
+
+
+def _chat_messages(turns: list[tuple[str, list]]) -> list[dict]:
+    """Anthropic turns as chat-template messages: an assistant turn's tool_use blocks become its
+    `tool_calls` (arguments as JSON text, as OpenAI's), a user turn's tool_result blocks become `tool`
+    messages (in order, before the turn's text), as the OpenAI route hands them to the chat template."""
+    messages: list[dict] = []
+    for role, blocks in turns:
+        text = "".join(b.text for b in blocks if isinstance(b, TextBlockParam))
+        if role == "assistant":
+            calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+                     for b in blocks if isinstance(b, ToolUseBlockParam)]
+            messages.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+            continue
+        results = [b for b in blocks if isinstance(b, ToolResultBlockParam)]
+        for r in results:  # is_error has no place in chat templates' tool messages: the text says what happened
+            messages.append({"role": "tool", "tool_call_id": r.tool_use_id, "content": r.text()})
+        if text.strip() or not results:
+            messages.append({"role": "user", "content": text})
+    return messages
+
+
+def _tool_fields(req: Conversation) -> dict:
+    """The chat request's tools and tool_choice for Anthropic's: `any` is OpenAI's "required", `tool` a
+    named function, disable_parallel_tool_use is parallel_tool_calls=false."""
+    if not req.tools and req.tool_choice is None:
+        return {}
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.input_schema}}
+             for t in req.tools or []]
+    choice = req.tool_choice
+    if choice is not None and choice.type in ("any", "tool") and not tools:
+        raise APIError(400, f"tool_choice: type {choice.type!r} needs `tools`", param="tool_choice", code="invalid_value")
+    fields: dict = {"tools": tools or None}
+    if choice is not None:
+        fields["tool_choice"] = ({"type": "function", "function": {"name": choice.name}} if choice.type == "tool"
+                                 else {"any": "required"}.get(choice.type, choice.type))
+        fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+    return fields
+
+
+@dataclass
+class _Blocks:
+    """One output's content blocks: text, and tool_use blocks made from the chat route's tool calls
+    (serve_app/chat_tools.py, which parses or constrains them), whole or as stream events."""
+
+    single_call: bool  # disable_parallel_tool_use: only the first call counts
+    index: int = -1  # the open block's index in a stream
+    open_kind: str | None = None
+    tool_ids: dict[int, str] = field(default_factory=dict)  # call index -> tool_use id
+
+    def whole(self, content: str | None, calls: list[ToolCall] | None) -> list[TextBlock | ToolUseBlock]:
+        blocks: list[TextBlock | ToolUseBlock] = [TextBlock(text=content)] if content else []
+        for call in (calls or [])[: 1 if self.single_call else None]:
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError:  # cut by max_tokens before the arguments closed: not a call one can make
+                blocks.append(TextBlock(text=call.function.arguments))
+                continue
+            blocks.append(ToolUseBlock(id=new_tool_use_id(), name=call.function.name, input=arguments))
+        return blocks or [TextBlock(text="")]
+
+    def events(self, content: str | None, deltas: list[DeltaToolCall] | None) -> list[Event]:
+        """The stream events for one chunk's content and tool-call deltas."""
+        events: list[Event] = []
+        if content:
+            if self.open_kind != "text":
+                events += self.open({"type": "text", "text": ""}, "text")
+            events.append(_delta(self.index, {"type": "text_delta", "text": content}))
+        for d in deltas or ():
+            if self.single_call and d.index > 0:
+                continue
+            if d.index not in self.tool_ids:  # a new call: its block opens with id and name, input empty
+                self.tool_ids[d.index] = new_tool_use_id()
+                events += self.open({"type": "tool_use", "id": self.tool_ids[d.index], "name": d.function.name,
+                                      "input": {}}, "tool_use")
+            if d.function is not None and d.function.arguments:
+                events.append(_delta(self.index, {"type": "input_json_delta", "partial_json": d.function.arguments}))
+        return events
+
+    def open(self, block: dict, kind: str) -> list[Event]:
+        events = self.close()
+        self.index += 1
+        self.open_kind = kind
+        return events + [("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                  "content_block": block})]
+
+    def close(self) -> list[Event]:
+        if self.open_kind is None:
+            return []
+        self.open_kind = None
+        return [("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+
+def _delta(index: int, delta: dict) -> Event:
+    return "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+
+
 class AnthropicServing:
     def __init__(self, openai: OpenAIServing) -> None:
         self.openai = openai
         self.model_name = openai.model_name
 
     def chat_request(self, req: Conversation) -> ChatCompletionRequest:
-        """The equivalent chat completion request (what validation, templating and sampling see); for a
-        bare Conversation (token counting) without sampling fields."""
-        turns: list[dict] = []
-        for m in req.messages:
-            if turns and turns[-1]["role"] == m.role:
-                turns[-1]["content"] += "\n\n" + m.text()
-            else:
-                turns.append({"role": m.role, "content": m.text()})
+        """The equivalent chat completion request (what validation, templating, tool planning and
+        sampling see); for a bare Conversation (token counting) without sampling fields."""
+        turns = _merged_turns(req.messages)
         system = req.system_text()
-        messages = ([{"role": "system", "content": system}] if system else []) + turns
-        prefill = turns[-1]["role"] == "assistant"
+        messages = ([{"role": "system", "content": system}] if system else []) + _chat_messages(turns)
+        prefill = turns[-1][0] == "assistant"
+        if prefill and any(isinstance(b, ToolUseBlockParam) for b in turns[-1][1]):
+            raise APIError(400, "messages: a final assistant turn is continued, and one that made tool calls cannot "
+                           "be; send the tool_result in a user turn", param="messages", code="invalid_value")
         sampling = dict(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                         stop=req.stop_sequences, stream=req.stream, ignore_eos=req.ignore_eos) \
             if isinstance(req, MessagesRequest) else {}
@@ -81,14 +207,18 @@ class AnthropicServing:
             return ChatCompletionRequest(
                 model=req.model, messages=messages, add_generation_prompt=not prefill,
                 chat_template_kwargs={"continue_final_message": True} if prefill else None, **sampling,
+                **_tool_fields(req),
             )
         except ValueError as e:  # pydantic.ValidationError; MessagesRequest's own checks make it unlikely
             raise from_exception(e) from e
 
     def count_tokens(self, req: Conversation) -> MessageTokensCount:
-        """The prompt tokens `req` would cost as a Messages request (nothing reaches the engine)."""
+        """The prompt tokens `req` would cost as a Messages request, tools included (nothing reaches the
+        engine)."""
         self.openai.check_model(req.model)
-        return MessageTokensCount(input_tokens=len(self.openai.chat_prompt(self.chat_request(req)).token_ids))
+        chat = self.chat_request(req)
+        plan_tools(chat, self.openai.tool_parser)  # the same checks as a message: a bad tool_choice is a 400
+        return MessageTokensCount(input_tokens=len(self.openai.chat_prompt(chat).token_ids))
 
     async def messages(self, req: MessagesRequest) -> MessagesResponse | AsyncIterator[Event]:
         """Validates everything and waits for the engine's first output (raising APIError), then returns
@@ -96,10 +226,12 @@ class AnthropicServing:
         openai = self.openai
         openai.check_model(req.model)
         chat = self.chat_request(req)
+        plan = plan_tools(chat, openai.tool_parser)
         prompt = openai.chat_prompt(chat)
+        so = await openai.structured_outputs(chat, plan)  # a forced tool: its input schema constrains the output
         message_id = new_message_id()
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        params = openai.sampling_params(chat, len(prompt.token_ids), req.max_tokens, None, kind)
+        params = openai.sampling_params(chat, len(prompt.token_ids), req.max_tokens, None, kind, so)
         outputs = openai._stream([openai.engine_request(message_id, prompt, params, chat)])
         try:
             item = await anext(outputs, None)
@@ -108,11 +240,13 @@ class AnthropicServing:
             raise from_exception(e) from e
         if item is None:
             raise APIError(500, "the engine returned no output", code="internal_error")
+        single_call = not chat.parallel_tool_calls
         if req.stream:
-            return self._events(message_id, item[1], outputs)
-        return await self._message(message_id, item[1], outputs)
+            return self._events(message_id, item[1], outputs, ChoiceTools(plan), _Blocks(single_call))
+        return await self._message(message_id, item[1], outputs, ChoiceTools(plan), _Blocks(single_call))
 
-    async def _message(self, message_id: str, first: RequestOutput, rest) -> MessagesResponse:
+    async def _message(self, message_id: str, first: RequestOutput, rest, tools: ChoiceTools,
+                       blocks: _Blocks) -> MessagesResponse:
         tally, final = _Tally(), first
         tally.add(0, first)
         try:
@@ -122,14 +256,17 @@ class AnthropicServing:
         except Exception as e:
             raise from_exception(e) from e
         c = final.outputs[0]
-        reason, sequence = stop_reason(c)
-        return MessagesResponse(id=message_id, content=[TextBlock(text=c.text)], model=self.model_name,
+        content, calls, finish_reason = tools.final(c.text, c.finish_reason)
+        reason, sequence = stop_reason(c, finish_reason)
+        return MessagesResponse(id=message_id, content=blocks.whole(content, calls), model=self.model_name,
                                 stop_reason=reason, stop_sequence=sequence, usage=_usage(tally))
 
-    async def _events(self, message_id: str, first: RequestOutput, rest) -> AsyncIterator[Event]:
-        """Anthropic's event sequence: message_start, content_block_start, ping, content_block_delta...,
-        content_block_stop, message_delta, message_stop. One delta per engine output (the replica already
-        coalesces tokens a slow consumer has not taken)."""
+    async def _events(self, message_id: str, first: RequestOutput, rest, tools: ChoiceTools,
+                      blocks: _Blocks) -> AsyncIterator[Event]:
+        """Anthropic's event sequence: message_start, ping, then each content block (content_block_start,
+        its deltas: text_delta, or input_json_delta for a tool_use block, content_block_stop), then
+        message_delta and message_stop. Without tools the text block opens at once, before the ping, as
+        Anthropic's does. One delta per engine output (a lagging consumer gets tokens merged)."""
         try:
             tally = _Tally()
             tally.add(0, first)
@@ -137,23 +274,27 @@ class AnthropicServing:
                                      usage=MessagesUsage(input_tokens=tally.prompt_tokens - tally.cached_tokens,
                                                          output_tokens=0, cache_read_input_tokens=tally.cached_tokens))
             yield "message_start", {"type": "message_start", "message": start.model_dump()}
-            yield "content_block_start", {"type": "content_block_start", "index": 0,
-                                          "content_block": {"type": "text", "text": ""}}
+            if tools.plan.mode == "none":
+                for event in blocks.open({"type": "text", "text": ""}, "text"):
+                    yield event
             yield "ping", {"type": "ping"}
-            output, last = first, first.outputs[0]
+            output = first
             while True:
                 c = output.outputs[0]
-                last = c
-                if c.text:
-                    yield "content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                  "delta": {"type": "text_delta", "text": c.text}}
+                content, deltas, finish_reason = tools.delta(c.text, c.finish_reason)
+                for event in blocks.events(content, deltas):
+                    yield event
                 item = await anext(rest, None)
                 if item is None:
                     break
                 output = item[1]
                 tally.add(0, output)
-            reason, sequence = stop_reason(last)
-            yield "content_block_stop", {"type": "content_block_stop", "index": 0}
+            if blocks.index < 0:  # nothing came: an empty text block, as the whole message has
+                for event in blocks.open({"type": "text", "text": ""}, "text"):
+                    yield event
+            for event in blocks.close():
+                yield event
+            reason, sequence = stop_reason(c, finish_reason)
             yield "message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                     "usage": {"output_tokens": tally.completion_tokens}}
             yield "message_stop", {"type": "message_stop"}

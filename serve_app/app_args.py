@@ -77,12 +77,16 @@ class AppArgs(BaseModel):
     ray_actor_options: dict[str, Any] = Field(
         default_factory=lambda: {"num_cpus": 0}, description="Ray actor options of each engine replica."
     )
-    stream_messages_per_s: float = Field(
-        100.0, ge=0,
-        description="Message budget of each engine replica's streams: each stream rests (streams in flight / "
-        "budget) seconds between messages, and tokens made meanwhile travel together; the first token always "
-        "leaves at once. 0 sends every step's tokens as its own message.",
+    stream_coalesce_cpu_pressure: float | None = Field(
+        0.5, ge=0, le=1,
+        description="Streams send each token as soon as the engine makes it, one message per engine step, "
+        "unless the CPU is saturated: while the CPU pressure (Linux PSI: the share of time some runnable task "
+        "waited for a CPU, sampled every 0.5 s) is at or above this, each stream rests stream_coalesce_interval_s "
+        "between messages and the tokens made meanwhile travel together. None: never. Either way a stream whose "
+        "consumer lags gets the tokens it has not taken merged.",
     )
+    stream_coalesce_interval_s: float = Field(
+        0.1, gt=0, le=1, description="The rest between a stream's messages while the CPU is saturated.")
     placement_group_config: PlacementGroupConfig = Field(
         default_factory=PlacementGroupConfig, description="Bundles of a multi-rank engine replica (engine."
         "tensor_parallel_size / pipeline_parallel_size above 1); unused for one rank.")

@@ -122,11 +122,36 @@ class BodySizeLimit:
         await error_response(Request(scope), error)(scope, receive, send)
 
 
+class APIKeyCheck:
+    """/v1/* needs `Authorization: Bearer <key>` (or Anthropic's `x-api-key`) with one of `keys`. A plain
+    ASGI middleware, installed only when keys are set: Starlette's @app.middleware("http") would route
+    every streamed chunk of every request through a memory stream and a task of its own."""
+
+    def __init__(self, app, keys: list[bytes]) -> None:
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            request = Request(scope)
+            if route_path(request).startswith("/v1"):
+                auth = request.headers.get("authorization", "")
+                token = (auth[7:] if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")).encode()
+                ok = False
+                for key in self.keys:  # constant time per key, and every key is compared
+                    ok |= hmac.compare_digest(token, key)
+                if not ok:
+                    error = APIError(401, "invalid or missing API key", code="invalid_api_key")
+                    return await error_response(request, error)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def build_http_app(ingress) -> FastAPI:
     app = FastAPI(title="pagedserve", version=VERSION,
                   description="OpenAI- and Anthropic-compatible LLM serving on Ray Serve.")
     serving = ingress.openai
     api_keys = [k.encode() for k in ingress.args.resolve_api_keys()]  # fails the replica if api_keys_env is unset
+    if api_keys:
+        app.add_middleware(APIKeyCheck, keys=api_keys)
     app.add_middleware(BodySizeLimit, limit=ingress.args.max_request_body_bytes)
     app.add_middleware(TracingMiddleware)  # outermost: the request span covers auth failures too
 
@@ -152,17 +177,6 @@ def build_http_app(ingress) -> FastAPI:
             logger.exception("request failed", exc_info=exc)
         return error_response(request, error)
 
-    @app.middleware("http")
-    async def _authenticate(request: Request, call_next):
-        if api_keys and route_path(request).startswith("/v1"):
-            auth = request.headers.get("authorization", "")
-            token = (auth[7:] if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")).encode()
-            ok = False
-            for key in api_keys:  # constant time per key, and every key is compared
-                ok |= hmac.compare_digest(token, key)
-            if not ok:
-                return error_response(request, APIError(401, "invalid or missing API key", code="invalid_api_key"))
-        return await call_next(request)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS,
               summary="Text completion (streamed as server-sent events when stream=true)")

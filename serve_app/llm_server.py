@@ -5,9 +5,11 @@ it stops (Serve waits for in-flight calls, up to graceful_shutdown_timeout_s).""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
@@ -18,6 +20,7 @@ from engine.config import EngineConfig
 from engine.outputs import RequestOutput, StepTiming
 from engine.stats import EngineStats
 from serve_app import replica_context, tracing
+from serve_app.cpu_pressure import CpuPressure
 from serve_app.engine_request import EngineRequest
 from serve_app.metrics import EngineMetrics
 from serve_app.ray_workers import RayWorkerLauncher
@@ -25,7 +28,18 @@ from serve_app.ray_workers import RayWorkerLauncher
 logger = logging.getLogger(__name__)
 
 _METRICS_PERIOD_S = 1.0
-_MAX_STREAM_REST_S = 0.25
+_PRESSURE_PERIOD_S = 0.5
+
+
+@dataclass(frozen=True)
+class StreamPacing:
+    """When streams coalesce tokens on purpose (AppArgs.stream_coalesce_*): while the CPU pressure is at or
+    above `cpu_pressure` (None: never), each stream rests `interval_s` between messages. Every message
+    costs CPU in this replica, the ingress and HAProxy; on a saturated machine that CPU comes out of the
+    engine's steps, so fewer, fuller messages serve more tokens. Below it, every step's token leaves at once."""
+
+    cpu_pressure: float | None = 0.5
+    interval_s: float = 0.1
 
 
 @serve.deployment(
@@ -35,10 +49,8 @@ _MAX_STREAM_REST_S = 0.25
     health_check_period_s=5,
 )
 class LLMServer:
-    def __init__(
-        self, engine_config: dict, served_model_name: str, stream_messages_per_s: float = 0.0,
-        tracing_config: dict | None = None, worker_bundle: dict[str, float] | None = None,
-    ) -> None:
+    def __init__(self, engine_config: dict, served_model_name: str, tracing_config: dict | None = None,
+                 pacing: StreamPacing | None = None, worker_bundle: dict[str, float] | None = None) -> None:
         """`worker_bundle`: with the ray backend, the resources of each rank's placement-group bundle; the
         engine's other ranks start as actors there (serve_app/ray_workers.py)."""
         self.replica_id = replica_id = replica_context.replica_id()
@@ -52,18 +64,23 @@ class LLMServer:
         if config.world_size > 1 and config.distributed_executor_backend == "ray":
             launcher = RayWorkerLauncher(worker_bundle or {}, name=f"pagedserve-{replica_id}")
         self.llm = AsyncLLM(config, launcher)
-        self.stream_messages_per_s = stream_messages_per_s
         self.metrics = EngineMetrics(served_model_name, replica_id)
         self._metrics_task = asyncio.get_event_loop().create_task(self._export_metrics())
+        self.pacing = pacing or StreamPacing()
+        self.cpu = CpuPressure()
+        self.saturated = False  # the CPU is saturated: streams coalesce (StreamPacing)
+        self._pressure_task = asyncio.get_event_loop().create_task(self._watch_cpu())
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
-        """Stream delta RequestOutputs. The first one leaves at once; after each later one the stream
-        rests for (streams in flight / stream_messages_per_s), and the deltas the engine made meanwhile
-        leave merged as one message. Every message crosses three processes at some CPU cost each, so
-        this caps the replica's message rate whatever the load: a lone stream still gets every step's
-        tokens, many streams get theirs a few steps at a time. Cancellation (the caller went away)
-        aborts the request and frees its KV blocks."""
+        """Stream delta RequestOutputs, one message per engine step that advanced the request: a token
+        leaves as soon as the engine made it. Tokens travel together only when this stream's consumer
+        lags (AsyncLLM merges the deltas that queued up meanwhile) or the CPU is saturated (StreamPacing:
+        the stream rests between messages), never by a budget. What crosses to the ingress is slimmed:
+        the prompt's token ids only in the first message (the ingress tokenized them; it needs their
+        count once) and no engine timings (metrics and traces are made here). Cancellation (the caller
+        went away) aborts the request and frees its KV blocks."""
         request_trace = _RequestTrace(self, request) if self.tracer is not None else None
+        first = True
         try:
             async for output in self.llm.generate(
                 request.prompt_token_ids,
@@ -75,9 +92,10 @@ class LLMServer:
                 self.metrics.observe(output)
                 if request_trace is not None:
                     request_trace.observe(output)
-                yield output
-                if self.stream_messages_per_s and not output.finished:
-                    await asyncio.sleep(min(_MAX_STREAM_REST_S, self.llm.num_in_flight / self.stream_messages_per_s))
+                yield dataclasses.replace(output, metrics=None, prompt_token_ids=output.prompt_token_ids if first else [])
+                first = False
+                if self.saturated and not output.finished:
+                    await asyncio.sleep(self.pacing.interval_s)
         except BaseException as e:
             if request_trace is not None:
                 request_trace.failed(e)
@@ -113,6 +131,15 @@ class LLMServer:
         s = self.llm.stats
         return {"kv_cache_usage": s.kv_cache_usage, "num_waiting": s.num_waiting, "num_running": s.num_running,
                 "cached_blocks": self.llm.cache_summary, "reported_at": time.time()}
+
+    async def _watch_cpu(self) -> None:
+        threshold = self.pacing.cpu_pressure
+        if threshold is None or self.cpu.path is None:
+            return  # never saturated as far as streams know: they coalesce only when their consumer lags
+        while True:
+            await asyncio.sleep(_PRESSURE_PERIOD_S)
+            share = self.cpu.sample()
+            self.saturated = share is not None and share >= threshold
 
     async def _export_metrics(self) -> None:
         while True:

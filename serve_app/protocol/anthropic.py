@@ -1,17 +1,20 @@
 """Anthropic Messages API request and response models (`POST /v1/messages`, `/v1/messages/count_tokens`).
 
-Follows Anthropic's documented shapes. Requests ignore fields we do not know (`metadata`, `tools`,
-`cache_control` on blocks, `anthropic-beta` features...); every field we do know is validated here and
-fails with its name. Content blocks other than text are rejected, naming the block's place."""
+Follows Anthropic's documented shapes. Requests ignore fields we do not know (`metadata`, `cache_control`
+on blocks, `anthropic-beta` features...); every field we do know is validated here and fails with its
+name. Content blocks are text, `tool_use` (assistant turns) and `tool_result` (user turns); others
+(images, documents, thinking) are rejected, naming the block's place. Tools are client tools with an
+`input_schema`; Anthropic's server tools (web search, code execution...) are rejected naming `tools`."""
 
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from engine.sampling_params import check_json_schema
 from serve_app.protocol.openai import MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS
 
 
@@ -24,25 +27,61 @@ class TextBlockParam(_Request):
     text: str
 
 
-def _text_blocks_only(value: Any) -> Any:
-    """Before validation: name the unsupported block type, rather than letting pydantic report a
-    mismatch against every member of the `str | list[TextBlockParam]` union."""
+class ToolUseBlockParam(_Request):
+    """A tool call the assistant made, sent back in the conversation."""
+
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1, max_length=256)
+    name: str = Field(min_length=1, max_length=128)
+    input: dict[str, Any]
+
+
+class ToolResultBlockParam(_Request):
+    """The caller's result of a tool call (in a user turn), as text or text blocks."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1, max_length=256)
+    content: str | list[TextBlockParam] = ""
+    is_error: bool = False
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content(cls, value: Any) -> Any:
+        return _blocks(value, ("text",))
+
+    def text(self) -> str:
+        return _join(self.content)
+
+
+ContentBlockParam = Annotated[TextBlockParam | ToolUseBlockParam | ToolResultBlockParam, Field(discriminator="type")]
+
+
+def _blocks(value: Any, allowed: tuple[str, ...]) -> Any:
+    """Before validation: name an unsupported or malformed block, rather than letting pydantic report a
+    mismatch against every member of the union."""
     if isinstance(value, list):
         for i, block in enumerate(value):
             if not isinstance(block, dict):
                 raise PydanticCustomError("invalid_content_block", "block {index}: must be an object with a type",
                                           {"index": i})
             kind = block.get("type")
-            if kind != "text":
+            if kind not in allowed:
                 raise PydanticCustomError(
-                    "unsupported_content_block",
-                    "block {index} is of type {kind}; only 'text' content blocks are supported",
-                    {"index": i, "kind": repr(kind)},
+                    "unsupported_content_block", "block {index} is of type {kind}; only {allowed} blocks are supported here",
+                    {"index": i, "kind": repr(kind), "allowed": ", ".join(repr(a) for a in allowed)},
                 )
-            if not isinstance(block.get("text"), str):
-                raise PydanticCustomError("invalid_content_block", "block {index}: a text block needs a string `text`",
-                                          {"index": i})
+            for key, kinds in _REQUIRED[kind].items():
+                if not isinstance(block.get(key), kinds):
+                    raise PydanticCustomError("invalid_content_block", "block {index}: a {kind} block needs {key}",
+                                              {"index": i, "kind": kind, "key": _REQUIRED_NAMES[key]})
     return value
+
+
+# What each block type must carry, checked before the union is tried (its errors would name the wrong branch).
+_REQUIRED = {"text": {"text": str}, "tool_use": {"id": str, "name": str, "input": dict},
+             "tool_result": {"tool_use_id": str}}
+_REQUIRED_NAMES = {"text": "a string `text`", "id": "a string `id`", "name": "a string `name`",
+                   "input": "an object `input`", "tool_use_id": "a string `tool_use_id`"}
 
 
 def _join(content: str | list[TextBlockParam]) -> str:
@@ -51,30 +90,79 @@ def _join(content: str | list[TextBlockParam]) -> str:
 
 class MessageParam(_Request):
     role: Literal["user", "assistant"]
-    content: str | list[TextBlockParam]
+    content: str | list[ContentBlockParam]
 
     @field_validator("content", mode="before")
     @classmethod
-    def _check_content(cls, value: Any) -> Any:
-        return _text_blocks_only(value)
+    def _check_content(cls, value: Any, info: ValidationInfo) -> Any:
+        # tool_use blocks belong to assistant turns, tool_result blocks to user turns (Anthropic's rule).
+        return _blocks(value, ("text", "tool_use") if info.data.get("role") == "assistant" else ("text", "tool_result"))
 
     def text(self) -> str:
-        """The content as one string (text blocks concatenated)."""
-        return _join(self.content)
+        """The text blocks' text, concatenated (tool blocks left out)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(b.text for b in self.content if isinstance(b, TextBlockParam))
+
+    def blocks(self) -> list[TextBlockParam | ToolUseBlockParam | ToolResultBlockParam]:
+        return [TextBlockParam(type="text", text=self.content)] if isinstance(self.content, str) else list(self.content)
+
+
+class ToolParam(_Request):
+    """A client tool: its name, what it does, and the JSON schema of its input (an object)."""
+
+    type: Literal["custom"] | None = None  # first: a server tool is named as such, not as one missing a schema
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _no_server_tools(cls, value: Any) -> Any:
+        if value not in (None, "custom"):
+            raise PydanticCustomError(
+                "unsupported_tool", "Anthropic's server tools ({kind}) are not supported; give client tools with a "
+                "name and an input_schema", {"kind": repr(value)})
+        return value
+
+    @field_validator("input_schema")
+    @classmethod
+    def _check_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if value.get("type") != "object":
+            raise ValueError('must be a JSON schema of type "object"')
+        check_json_schema(value)
+        return value
+
+
+class ToolChoice(_Request):
+    """auto: the model decides; any: it must call some tool; tool: it must call `name`; none: no calls.
+    disable_parallel_tool_use: at most one call (exactly one with any and tool)."""
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+    @model_validator(mode="after")
+    def _check_name(self) -> ToolChoice:
+        if (self.type == "tool") != (self.name is not None):
+            raise ValueError("tool_choice: `name` is required with type 'tool' and allowed with no other type")
+        return self
 
 
 class Conversation(_Request):
-    """What `POST /v1/messages/count_tokens` takes, and `POST /v1/messages` too: a model, the turns and a
-    system prompt."""
+    """What `POST /v1/messages/count_tokens` takes, and `POST /v1/messages` too: a model, the turns, a
+    system prompt and the tools."""
 
     model: str
     messages: list[MessageParam] = Field(min_length=1)
     system: str | list[TextBlockParam] | None = Field(None, description="System prompt: a string or text blocks.")
+    tools: list[ToolParam] | None = Field(None, description="Client tools the model may call.")
+    tool_choice: ToolChoice | None = Field(None, description="How the model uses the tools (default auto).")
 
     @field_validator("system", mode="before")
     @classmethod
     def _check_system(cls, value: Any) -> Any:
-        return _text_blocks_only(value)
+        return _blocks(value, ("text",))
 
     def system_text(self) -> str | None:
         return None if self.system is None else _join(self.system)
@@ -107,7 +195,7 @@ class MessagesRequest(Conversation):
 
 # --- responses -------------------------------------------------------------------------------------
 
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence"]
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
 class MessageTokensCount(BaseModel):
@@ -120,9 +208,20 @@ def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex}"
 
 
+def new_tool_use_id() -> str:
+    return f"toolu_{uuid.uuid4().hex[:24]}"
+
+
 class TextBlock(BaseModel):
     type: Literal["text"] = "text"
     text: str
+
+
+class ToolUseBlock(BaseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
 
 
 class MessagesUsage(BaseModel):
@@ -139,7 +238,7 @@ class MessagesResponse(BaseModel):
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
-    content: list[TextBlock]
+    content: list[TextBlock | ToolUseBlock]
     model: str
     stop_reason: StopReason | None = None  # null only in a stream's message_start
     stop_sequence: str | None = None

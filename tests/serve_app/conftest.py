@@ -15,7 +15,11 @@ APP = "pagedserve"
 ENGINE = {"max_model_len": 1024, "num_kv_blocks": 512, "num_threads": 1}
 HTTP_PORT = int(os.environ.get("PAGEDSERVE_TEST_HTTP_PORT", "8000"))
 BASE_URL = f"http://127.0.0.1:{HTTP_PORT}"
-# How HTTP reaches the app: "haproxy" as `make run` serves it (serve_app.app.HAPROXY_INGRESS_ENV), or
+# HAProxy's stats and metrics ports are fixed (8404, 9101) unless set: two apps behind HAProxy on one machine
+# (the suite and a developer's `make run`, two test sessions) would collide. Derive them from HTTP_PORT.
+HAPROXY_PORTS_ENV = {"RAY_SERVE_HAPROXY_STATS_PORT": str(HTTP_PORT + 1404),
+                     "RAY_SERVE_HAPROXY_METRICS_PORT": str(HTTP_PORT + 2101)}
+# How HTTP reaches the app: "haproxy" as `make run` serves it (serve_app.app.SERVE_ENV), or
 # "proxy", Ray's proxy actor, as a plain `serve run` does. `make test` runs the HTTP tests in both.
 INGRESS = os.environ.get("PAGEDSERVE_TEST_INGRESS", "haproxy")
 if INGRESS not in ("haproxy", "proxy"):
@@ -36,11 +40,10 @@ def ray_session():
     import ray
     from ray import serve
 
-    from serve_app.app import HAPROXY_INGRESS_ENV
+    from serve_app.app import SERVE_ENV
 
     if INGRESS == "haproxy":
-        # A stopping ingress replica lingers 30 s by default so that load balancers can deregister it.
-        os.environ.update({**HAPROXY_INGRESS_ENV, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"})
+        os.environ.update({**SERVE_ENV, **HAPROXY_PORTS_ENV})
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
     yield

@@ -242,3 +242,121 @@ def test_disconnect_mid_stream_aborts(serve_app_url, engine_handle):
                 break
     wait_for(idle, timeout=20)  # the closed connection aborted the request...
     assert generated() - before < 900  # ...well before its 900 tokens
+
+
+# --- tool use ------------------------------------------------------------------------------------------
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city.", "input_schema": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"]}}
+TIME = {"name": "get_time", "description": "The time in a zone.", "input_schema": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"]}}
+SCHEMAS = {t["name"]: t["input_schema"] for t in (WEATHER, TIME)}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _valid_call(block) -> None:
+    import jsonschema
+
+    assert block.type == "tool_use" and block.id.startswith("toolu_") and block.name in SCHEMAS
+    jsonschema.validate(block.input, SCHEMAS[block.name])
+
+
+def test_forced_tool_use(client):
+    r = client.messages.create(model=MODEL, max_tokens=120, extra_body=GREEDY, messages=ASK, tools=[WEATHER, TIME],
+                               tool_choice={"type": "tool", "name": "get_weather"})
+    assert r.stop_reason == "tool_use" and [b.type for b in r.content] == ["tool_use"]
+    assert r.content[0].name == "get_weather"
+    _valid_call(r.content[0])
+
+
+def test_any_tool_single_call(client):
+    r = client.messages.create(model=MODEL, max_tokens=160, extra_body=GREEDY, messages=ASK, tools=[WEATHER, TIME],
+                               tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    assert r.stop_reason == "tool_use" and [b.type for b in r.content] == ["tool_use"]
+    _valid_call(r.content[0])
+
+
+def test_tool_choice_none_and_auto_answer_in_text(client):
+    for choice in ({"type": "none"}, {"type": "auto"}):
+        r = client.messages.create(model=MODEL, max_tokens=6, extra_body=GREEDY, messages=ASK, tools=[WEATHER],
+                                   tool_choice=choice)
+        assert r.stop_reason == "max_tokens" and [b.type for b in r.content] == ["text"]  # random weights make no call
+
+
+def test_tool_use_streamed(serve_app_url, client):
+    kwargs = dict(model=MODEL, max_tokens=120, extra_body=GREEDY, messages=ASK, tools=[WEATHER],
+                  tool_choice={"type": "tool", "name": "get_weather"})
+    whole = client.messages.create(**kwargs)
+    with client.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and [b.type for b in final.content] == ["tool_use"]
+    assert final.content[0].input == whole.content[0].input and final.content[0].name == "get_weather"
+    events = _raw_events(serve_app_url, {**{k: v for k, v in kwargs.items() if k != "extra_body"}, **GREEDY, "stream": True})
+    names = [n for n, _ in events]
+    deltas = names.count("content_block_delta")
+    assert deltas >= 2 and names == (["message_start", "ping", "content_block_start"] + ["content_block_delta"] * deltas
+                                     + ["content_block_stop", "message_delta", "message_stop"])
+    start = events[2][1]["content_block"]
+    assert start["type"] == "tool_use" and start["name"] == "get_weather" and start["input"] == {}
+    assert start["id"].startswith("toolu_")
+    partial = "".join(d["delta"]["partial_json"] for n, d in events if n == "content_block_delta")
+    assert all(d["delta"]["type"] == "input_json_delta" for n, d in events if n == "content_block_delta")
+    assert json.loads(partial) == whole.content[0].input
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_two_turns_with_a_tool_result(client):
+    tools, choice = [WEATHER], {"type": "tool", "name": "get_weather"}
+    first = client.messages.create(model=MODEL, max_tokens=120, extra_body=GREEDY, messages=ASK, tools=tools,
+                                   tool_choice=choice)
+    call = first.content[0]
+    _valid_call(call)
+
+    def conversation(result: str) -> list[dict]:
+        return [*ASK, {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": result}]}]
+
+    messages = conversation("18 degrees and sunny")
+    second = client.messages.create(model=MODEL, max_tokens=8, extra_body=GREEDY, messages=messages, tools=tools)
+    assert second.stop_reason == "max_tokens" and second.content[0].type == "text"
+    counted = client.messages.count_tokens(model=MODEL, messages=messages, tools=tools).input_tokens
+    assert _input_tokens(second.usage) == counted
+    # The result and the call are in the prompt: a longer result costs more, and so does the turn.
+    longer = client.messages.count_tokens(model=MODEL, messages=conversation("18 degrees, sunny, a light breeze"),
+                                          tools=tools).input_tokens
+    assert longer > counted > client.messages.count_tokens(model=MODEL, messages=ASK, tools=tools).input_tokens
+
+
+def test_count_tokens_counts_tools(client):
+    bare = client.messages.count_tokens(model=MODEL, messages=ASK).input_tokens
+    one = client.messages.count_tokens(model=MODEL, messages=ASK, tools=[WEATHER]).input_tokens
+    two = client.messages.count_tokens(model=MODEL, messages=ASK, tools=[WEATHER, TIME]).input_tokens
+    assert bare < one < two
+    r = client.messages.create(model=MODEL, max_tokens=2, extra_body=GREEDY, messages=ASK, tools=[WEATHER, TIME])
+    assert _input_tokens(r.usage) == two
+
+
+@pytest.mark.parametrize("extra, names", [
+    ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "tool"}}, "tool_choice"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "tools.0.input_schema"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object", "properties": 3}}]}, "tools.0.input_schema"),
+    ({"tools": [{"name": "bad name", "input_schema": {"type": "object"}}]}, "tools.0.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "x", "name": "f", "input": {}}]}]},
+     "messages.0.content"),
+    ({"messages": [*ASK, {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x"}]}]},
+     "messages.1.content"),
+    ({"messages": [*ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": "x", "name": "f"}]}]},
+     "messages.1.content"),
+    ({"messages": [*ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": "x", "name": "f", "input": {}}]}]},
+     "messages"),
+])
+def test_tool_errors(serve_app_url, extra, names):
+    body = {"model": MODEL, "max_tokens": 4, "messages": ASK, **extra}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        message = _error(httpx.post(serve_app_url + path, json=body), 400, "invalid_request_error")
+        assert names in message, message

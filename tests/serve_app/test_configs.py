@@ -29,11 +29,27 @@ def test_config_is_valid(path):
         assert args.engine_config().model == args.model
 
 
-def test_default_config_serves_the_builtin_model_on_cpu():
-    config = yaml.safe_load((CONFIGS[0].parent / "default.yaml").read_text())
-    args = AppArgs.model_validate(config["applications"][0]["args"])
-    assert args.model == "pagedserve-tiny" and args.num_replicas == 2
+def _args(name: str) -> tuple[dict, AppArgs]:
+    config = yaml.safe_load((CONFIGS[0].parent / name).read_text())
+    return config, AppArgs.model_validate(config["applications"][0]["args"])
+
+
+def test_default_config_is_the_product():
+    # What a newcomer starts: the built-in model on CPU with the prefix router and the KV/queue autoscaler
+    # (1 to 2 replicas, one torch thread each so that two fit two cores).
+    config, args = _args("default.yaml")
+    assert args.model == "pagedserve-tiny" and args.router == "prefix"
+    scaling = args.engine_autoscaling_config()
+    assert (scaling["min_replicas"], scaling["max_replicas"]) == (1, 2)
+    assert scaling["policy"]["policy_function"] == "autoscale.ray_policy:KVQueueAutoscalingPolicy"
+    assert args.engine_config().num_threads == 1
     assert config["http_options"] == {"host": "127.0.0.1", "port": 8000}
+
+
+def test_fixed_pow2_config_is_for_comparison():
+    _, args = _args("fixed-pow2.yaml")
+    assert args.router == "pow2" and args.autoscaling_config is None and args.num_replicas == 2
+    assert args.engine_config().num_threads == 1
 
 
 def test_bad_args_name_the_field():

@@ -1,22 +1,32 @@
-"""The README's run command (`make run`: `serve run configs/default.yaml` behind HAProxy) answers a chat
-completion and exits cleanly on SIGTERM. It starts its own Ray, so it runs before the shared session
-instance."""
+"""The README's run command (`make run`: `python -m serve_app.run configs/default.yaml` behind HAProxy,
+with the Makefile's SERVE_ENV) answers a chat completion, and Ctrl-C stops it: at once when idle, after
+draining the streams in flight otherwise. Each test starts its own Ray, so they run before the shared session
+instance. Ctrl-C is what a terminal sends: SIGINT to the whole foreground process group (Ray's own
+processes block it and are stopped by serve_app/run.py)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
-from serve_app.app import HAPROXY_INGRESS_ENV
+from serve_app.app import SERVE_ENV
+from tests.serve_app.conftest import HAPROXY_PORTS_ENV, HTTP_PORT
 
 ROOT = Path(__file__).resolve().parents[2]
+URL = f"http://127.0.0.1:{HTTP_PORT}"
 
 
 def _ray_processes() -> int:
@@ -24,38 +34,106 @@ def _ray_processes() -> int:
     return len(out.split())
 
 
-@pytest.mark.own_ray
-def test_serve_run_default_config():
-    before = _ray_processes()
-    serve_bin = Path(sys.executable).parent / "serve"
-    env = {**os.environ, **HAPROXY_INGRESS_ENV, "RAY_ADDRESS": "local"}  # a fresh local Ray, never another's
-    proc = subprocess.Popen([str(serve_bin), "run", "configs/default.yaml"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+@contextmanager
+def _make_run(tmp_path: Path) -> Iterator[subprocess.Popen]:
+    """configs/default.yaml served as `make run` serves it (its HTTP port is the suite's), up and healthy,
+    in a process group of its own; killed if a test leaves it running."""
+    config = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    config["http_options"]["port"] = HTTP_PORT
+    path = tmp_path / "default.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, **SERVE_ENV, **HAPROXY_PORTS_ENV, "RAY_ADDRESS": "local"}  # a fresh local Ray, never another's
+    log = tmp_path / "run.log"
+    with open(log, "w") as out:  # a file, not a pipe: a full pipe would block the app's logging
+        proc = subprocess.Popen([sys.executable, "-m", "serve_app.run", str(path)], cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
         while True:
-            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")[-3000:]
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
             try:
-                if httpx.get("http://127.0.0.1:8000/health", timeout=2).status_code == 200:
+                if httpx.get(URL + "/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < deadline, "serve run did not come up"
+            assert time.monotonic() < deadline, "the app did not come up"
             time.sleep(0.5)
-        r = httpx.post("http://127.0.0.1:8000/v1/chat/completions", timeout=60, json={
-            "model": "pagedserve-tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8})
-        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
-        proc.send_signal(signal.SIGTERM)
-        # Ray's driver handles SIGTERM with sys.exit(15) after running its shutdown hooks.
-        assert proc.wait(timeout=60) in (0, signal.SIGTERM)
+        yield proc
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    # Clean exit: nothing listens on the port any more, and no Ray process of its own is left.
+
+
+def _ctrl_c(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGINT)
+
+
+def _assert_clean_exit(before: int) -> None:
+    """Nothing listens on the port any more, and no Ray process of its own is left."""
     with pytest.raises(httpx.HTTPError):
-        httpx.get("http://127.0.0.1:8000/health", timeout=2)
+        httpx.get(URL + "/health", timeout=2)
     deadline = time.monotonic() + 30
     while _ray_processes() > before:
-        assert time.monotonic() < deadline, "Ray processes outlived serve run"
+        assert time.monotonic() < deadline, "Ray processes outlived the app"
         time.sleep(0.5)
+
+
+@pytest.mark.own_ray
+def test_make_run_serves_and_ctrl_c_returns_quickly_when_idle(tmp_path):
+    before = _ray_processes()
+    with _make_run(tmp_path) as proc:
+        r = httpx.post(URL + "/v1/chat/completions", timeout=60, json={
+            "model": "pagedserve-tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+        started = time.monotonic()
+        _ctrl_c(proc)
+        assert proc.wait(timeout=60) in (0, 1, -signal.SIGINT)
+        took = time.monotonic() - started
+    print(f"Ctrl-C on an idle app returned in {took:.1f} s")  # pytest -s shows it
+    assert took < 15, f"Ctrl-C on an idle app took {took:.1f} s"  # loose: a loaded CI machine must pass
+    _assert_clean_exit(before)
+
+
+@pytest.mark.own_ray
+def test_ctrl_c_drains_streams_in_flight(tmp_path):
+    before = _ray_processes()
+    max_tokens = 1500
+    body = {"model": "pagedserve-tiny", "prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    outcome: dict = {}
+    first_tokens = threading.Event()
+
+    def stream() -> None:
+        try:
+            with httpx.stream("POST", URL + "/v1/completions", json=body, timeout=120) as r:
+                outcome["status"] = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        first_tokens.set()
+                        if chunk.get("usage"):
+                            outcome["tokens"] = chunk["usage"]["completion_tokens"]
+                        for c in chunk["choices"]:
+                            outcome["finish"] = c.get("finish_reason") or outcome.get("finish")
+                    elif line == "data: [DONE]":
+                        outcome["done"] = True
+        except Exception as e:  # noqa: BLE001 - reported below
+            outcome["error"] = repr(e)
+
+    with _make_run(tmp_path) as proc:
+        client = threading.Thread(target=stream)
+        client.start()
+        assert first_tokens.wait(60), outcome
+        _ctrl_c(proc)
+        client.join(timeout=120)
+        assert outcome == {"status": 200, "tokens": max_tokens, "finish": "length", "done": True}
+        assert proc.wait(timeout=60) in (0, 1, -signal.SIGINT)
+    _assert_clean_exit(before)
+
+
+def test_makefile_sets_what_serve_env_says():
+    makefile = (ROOT / "Makefile").read_text()
+    line = re.search(r"^SERVE_ENV := ((?:.*\\\n)*.*)$", makefile, re.M).group(1).replace("\\\n", " ")
+    assert dict(item.split("=", 1) for item in line.split()) == SERVE_ENV
+    assert "$(SERVE_ENV) $(BIN)/python -m serve_app.run configs/default.yaml" in makefile

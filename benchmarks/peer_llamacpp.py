@@ -1,0 +1,291 @@
+"""Serving against llama.cpp's `llama-server`, side by side in one run, on the same random-weight 56M
+Llama (float32, 2 threads each) and the same requests (DESIGN.md, "Numbers to beat").
+
+    python benchmarks/peer_llamacpp.py [--num-requests 300] [--rate 4] [--burst 64] [--slots 64 16]
+                                       [--config configs/bench-56m.yaml] [--profile DIR]
+
+Systems: our app as `make run` serves it (`serve run` of --config: 1 engine replica, HTTP through HAProxy),
+llama-server with 64 and 16 slots (`-np`, continuous batching, 512 tokens of context per slot), and, for
+the all-at-once load, our offline engine (`LLM.generate`) on the same requests. llama.cpp is built from
+the llama-cpp-python sdist on first use (benchmarks/peers/llamacpp.py) and the checkpoint converted to
+GGUF f32.
+
+Loads: Poisson arrivals at --rate requests/s (--num-requests of them), then --burst requests sent at once.
+Prompts of 32-256 random tokens, 16-128 output tokens, greedy, ignore_eos. One open-loop client for all
+(benchmarks/stream_client.py): output tokens/s, TTFT p50/p95/p99, ITL per token p50/p99 (an event of k
+tokens counts as k gaps of its interval / k), TPOT mean, tokens per SSE event and the share of events
+carrying one token; then our ratios to llama-server and to the offline engine. With --profile, py-spy
+samples the app's ingress, engine replica and engine-core processes during the rate phase and the
+hottest functions of each are printed (speedscope files are written to DIR).
+
+A benchmark, never run in CI; machines differ, so only ratios from one run compare."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import subprocess
+import sys
+import time
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks.*` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import serve_process
+from benchmarks.peers import llamacpp
+from benchmarks.stream_client import Request, http_client, run_open_loop, send_llamacpp, send_openai, summarize, uniform_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTEXT_PER_SLOT = 512  # > 256 prompt + 128 output tokens
+
+
+# --- our offline engine ------------------------------------------------------------------------------
+
+
+def _offline(model: str, engine: dict, requests: list[Request], out) -> None:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model, **{k: v for k, v in engine.items() if k != "multiprocess"})
+    prompts = [p for _, p, _ in requests]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for *_, m in requests]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    duration = time.perf_counter() - start
+    out.send(sum(len(o.outputs[0].token_ids) for o in outputs) / duration)
+
+
+def offline_throughput(model: str, engine: dict, requests: list[Request]) -> float:
+    """Output tokens/s of `LLM.generate` on `requests` all at once, in a process of its own (its torch
+    threads must not linger in this client)."""
+    ctx = multiprocessing.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_offline, args=(model, engine, requests, send))
+    p.start()
+    try:
+        return recv.recv()
+    finally:
+        p.join()
+
+
+# --- llama-server ------------------------------------------------------------------------------------
+
+
+@contextmanager
+def llama_server(llama: llamacpp.LlamaCpp, gguf: Path, slots: int, threads: int, port: int):
+    cmd = [str(llama.server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+           "-tb", str(threads), "-np", str(slots), "-c", str(slots * CONTEXT_PER_SLOT), "--no-webui",
+           "--log-disable"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited ({proc.returncode}): {' '.join(cmd)}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("llama-server did not become healthy")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+# --- measuring ---------------------------------------------------------------------------------------
+
+
+def measure(name: str, send, loads: dict[str, list[Request]], on_load_start=None, on_load_end=None,
+            keepalive: bool = True) -> list[dict]:
+    """Each load in turn against one running server: a warm-up, then the open loop."""
+
+    async def go(requests):
+        async with http_client(keepalive) as client:
+            await asyncio.gather(*(send(client, p, 8) for _, p, _ in requests[:4]))  # warm-up
+            return await run_open_loop(requests, lambda p, m: send(client, p, m))
+
+    rows = []
+    for load, requests in loads.items():
+        if on_load_start:
+            on_load_start(load)
+        results, duration = asyncio.run(go(requests))
+        extra = on_load_end(load, len(requests)) if on_load_end else {}
+        rows.append({**summarize(name, results, duration), "load": load, **(extra or {})})
+        r = rows[-1]  # the whole row at once: a later failure must not lose it
+        print(f"  {name}, {load}: {r['throughput']:.0f} tok/s, TTFT p50/p95/p99 {r['ttft_p50']:.0f}/{r['ttft_p95']:.0f}/"
+              f"{r['ttft_p99']:.0f} ms, ITL p50/p99 {r['itl_p50']:.1f}/{r['itl_p99']:.1f} ms, TPOT {r['tpot_mean']:.1f} ms, "
+              f"{r['tokens_per_event']:.2f} tokens/event ({100 * r['single_token_events']:.1f}% single)", flush=True)
+    return rows
+
+
+class Profiler:
+    """py-spy on each of the app's processes of interest during one load (--profile)."""
+
+    def __init__(self, app: serve_process.ServeApp, out_dir: Path, seconds: float) -> None:
+        self.app, self.out_dir, self.seconds = app, out_dir, seconds
+        self.procs: list[tuple[str, Path, subprocess.Popen]] = []
+
+    def start(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        for role, pids in self.app.pids().items():
+            if role == "haproxy":
+                continue
+            for pid in pids:
+                raw = self.out_dir / f"{role.replace(' ', '_')}-{pid}.txt"
+                cmd = [str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(pid), "-d", str(int(self.seconds)), "-r", "200", "-f", "raw",
+                       "-o", str(raw), "--nonblocking"]
+                self.procs.append((role, raw, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+
+    def report(self, top: int = 25) -> None:
+        for role, raw, proc in self.procs:
+            proc.wait()
+            if not raw.exists():
+                print(f"\n[{role}] no profile ({raw.name})")
+                continue
+            own, total, samples = Counter(), Counter(), 0
+            for line in raw.read_text().splitlines():
+                stack, _, count = line.rpartition(" ")
+                frames = stack.split(";")
+                n = int(count)
+                samples += n
+                own[frames[-1]] += n
+                for f in set(frames):
+                    total[f] += n
+            print(f"\n[{role}] {raw.name}: {samples} samples; hottest functions (own %, with callees %)")
+            for frame, n in own.most_common(top):
+                print(f"  {100 * n / samples:5.1f}  {100 * total[frame] / samples:5.1f}  {frame}")
+
+
+def table(rows: list[dict]) -> None:
+    print()
+    print("| system | load | output tok/s | TTFT p50 ms | TTFT p95 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | "
+          "TPOT mean ms | tokens / SSE event | 1-token events |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if r.get("offline"):
+            print(f"| {r['system']} | {r['load']} | {r['throughput']:.0f} | - | - | - | - | - | - | - | - |")
+            continue
+        print(f"| {r['system']} | {r['load']} | {r['throughput']:.0f} | {r['ttft_p50']:.1f} | {r['ttft_p95']:.1f} | "
+              f"{r['ttft_p99']:.1f} | {r['itl_p50']:.1f} | {r['itl_p99']:.1f} | {r['tpot_mean']:.1f} | "
+              f"{r['tokens_per_event']:.2f} | {100 * r['single_token_events']:.1f}% |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(ROOT / "configs" / "bench-56m.yaml"), help="our app's Serve config")
+    ap.add_argument("--num-requests", type=int, default=300)
+    ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrival rate, requests/s")
+    ap.add_argument("--burst", type=int, default=64, help="requests sent at once")
+    ap.add_argument("--slots", type=int, nargs="*", default=[64, 16], help="llama-server -np settings")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--port", type=int, default=8300, help="our app's HTTP port; llama-server uses port + 1")
+    ap.add_argument("--only", choices=["app", "llamacpp"], help="run one side only (for profiling)")
+    ap.add_argument("--profile", type=Path, help="py-spy the app's processes during the rate load; files here")
+    ap.add_argument("--app-log", type=Path, help="serve run's output goes here")
+    ap.add_argument("--baseline", type=Path, metavar="CHECKOUT",
+                    help="also serve the app from this checkout (an earlier commit), as its `make run` did then: "
+                    "HAProxy only (the before column)")
+    ap.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="more variables for the app's Ray processes (Serve's flags, for experiments)")
+    args = ap.parse_args()
+
+    config = serve_process.load_config(args.config)
+    app_args = config["applications"][0]["args"]
+    model, engine = app_args["model"], app_args.get("engine", {})
+    loads = {f"{args.rate:g} req/s": uniform_workload(args.num_requests, args.rate, args.seed),
+             f"{args.burst} at once": uniform_workload(args.burst, None, args.seed + 1)}
+    print(f"model {model}; {args.num_requests} requests at {args.rate}/s and {args.burst} at once; prompts 32-256, "
+          f"outputs 16-128 tokens", flush=True)
+    rows: list[dict] = []
+
+    if args.baseline and args.only != "llamacpp":
+        from serve_app.app import HAPROXY_INGRESS_ENV
+
+        with serve_process.serve_run(config, args.port, root=args.baseline, base_env=HAPROXY_INGRESS_ENV) as app:
+            rows += measure(f"pagedserve app before ({args.baseline.name})",
+                            lambda c, p, m: send_openai(c, app.url, model, p, m), loads)
+
+    if args.only != "llamacpp":
+        env = dict(item.split("=", 1) for item in args.env)
+        label = f"pagedserve app ({Path(args.config).name}, HAProxy{''.join(f', {k}={v}' for k, v in env.items())})"
+        with serve_process.serve_run(config, args.port, log=args.app_log, env=env) as app:
+            profiler = Profiler(app, args.profile, args.num_requests / args.rate) if args.profile else None
+            cpu_before: dict[str, float] = {}
+
+            def load_start(load):
+                cpu_before.update(app.cpu_seconds())
+                if profiler and load.endswith("req/s"):
+                    profiler.start()
+
+            def load_end(load, n):
+                after = app.cpu_seconds()
+                return {"cpu_ms_by_role": {k: (v - cpu_before.get(k, 0.0)) / n * 1e3 for k, v in after.items()}}
+
+            rows += measure(label, lambda c, p, m: send_openai(c, app.url, model, p, m), loads, load_start, load_end)
+            if profiler:
+                profiler.report()
+        burst = loads[f"{args.burst} at once"]
+        offline = offline_throughput(model, engine, burst)
+        rows.append({"system": "pagedserve offline `LLM.generate`", "load": f"{args.burst} at once",
+                     "throughput": offline, "offline": True})
+        print(f"  offline engine: {offline:.0f} tok/s", flush=True)
+
+    if args.only != "app":
+        llama = llamacpp.build()
+        hf_dir = _builtin_dir(model)
+        gguf = llamacpp.convert_to_gguf(hf_dir, llamacpp.cache_dir() / "models" / f"{hf_dir.name}-f32.gguf", "f32", llama)
+        for slots in args.slots:
+            with llama_server(llama, gguf, slots, args.threads, args.port + 1) as url:
+                rows += measure(f"llama-server, {slots} slots", lambda c, p, m: send_llamacpp(c, url, p, m), loads,
+                                keepalive=False)
+
+    table(rows)
+    for r in rows:
+        if "cpu_ms_by_role" in r:
+            roles = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["cpu_ms_by_role"].items()))
+            print(f"app CPU ms per request, {r['load']}: {sum(r['cpu_ms_by_role'].values()):.1f} ({roles})")
+    ratios(rows, args)
+
+
+def _builtin_dir(model: str) -> Path:
+    from engine.models.builtin import materialize_builtin
+
+    return materialize_builtin(model)
+
+
+def ratios(rows: list[dict], args) -> None:
+    rate_load, burst_load = f"{args.rate:g} req/s", f"{args.burst} at once"
+    ours = {r["load"]: r for r in rows if r["system"].startswith("pagedserve app (")}
+    offline = next((r for r in rows if r.get("offline")), None)
+    peers = [r for r in rows if r["system"].startswith("llama-server")]
+    print()
+    if ours and peers:
+        for load in (rate_load,):
+            for p in (p for p in peers if p["load"] == load):
+                print(f"{load}, vs {p['system']}: TTFT p50 {ours[load]['ttft_p50'] / p['ttft_p50']:.2f}x (target <= 1), "
+                      f"TTFT p99 {ours[load]['ttft_p99'] / p['ttft_p99']:.2f}x (target <= 1.5 vs 64 slots), "
+                      f"ITL p99 {ours[load]['itl_p99'] / p['itl_p99']:.2f}x, throughput {ours[load]['throughput'] / p['throughput']:.2f}x")
+        best = max((p for p in peers if p["load"] == burst_load), key=lambda p: p["throughput"])
+        print(f"{burst_load}: app / best llama-server ({best['system']}) throughput "
+              f"{ours[burst_load]['throughput'] / best['throughput']:.2f}x (target >= 1.3)")
+    if ours:
+        print(f"{rate_load}: app SSE events carrying one token {100 * ours[rate_load]['single_token_events']:.1f}% (target >= 90%)")
+    if ours and offline:
+        print(f"{burst_load}: app / offline engine throughput {ours[burst_load]['throughput'] / offline['throughput']:.2f}x "
+              f"(target >= 0.85)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The app as `make run` starts it, for benchmarks: `serve run <config>` in a process of its own (a fresh
+local Ray: RAY_ADDRESS=local), HTTP through HAProxy (serve_app.app.SERVE_ENV), at a port of our choosing.
+The client then runs in another process, as a real one would.
+
+    with serve_run(load_config("configs/bench-56m.yaml"), port=8300) as app:
+        ...  # app.url; app.cpu_seconds() by role"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Which app process a command line belongs to (Ray names replica workers after their deployment).
+_ROLES = {"haproxy": "haproxy", "OpenAIIngress": "ingress", "LLMServer": "replica"}
+
+
+def load_config(path: str | Path) -> dict:
+    return yaml.safe_load(Path(path).read_text())
+
+
+def with_args(config: dict, **args) -> dict:
+    """`config` with its first application's `args` updated (a shallow merge; `engine` merged too)."""
+    config = {**config, "applications": [dict(a) for a in config["applications"]]}
+    app = config["applications"][0]
+    merged = {**app.get("args", {}), **args}
+    if "engine" in args:
+        merged["engine"] = {**app.get("args", {}).get("engine", {}), **args["engine"]}
+    app["args"] = merged
+    return config
+
+
+@dataclass
+class ServeApp:
+    url: str
+    process: subprocess.Popen
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time used so far by the app's processes, by role: haproxy, ingress, replica (the engine
+        replica's actor), engine core (its step-loop process), other (Ray's own: raylet, GCS, controller)."""
+        import psutil
+
+        total: dict[str, float] = {}
+        try:
+            procs = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.Error:
+            return total
+        for p in procs:
+            try:
+                cmdline = " ".join(p.cmdline())
+                role = next((r for key, r in _ROLES.items() if key in cmdline), "other")
+                if role == "other" and p.parent() is not None and "LLMServer" in " ".join(p.parent().cmdline()):
+                    role = "engine core"
+                t = p.cpu_times()
+                total[role] = total.get(role, 0.0) + t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    def pids(self) -> dict[str, list[int]]:
+        """Process ids by role (for profilers)."""
+        import psutil
+
+        out: dict[str, list[int]] = {}
+        for p in psutil.Process(self.process.pid).children(recursive=True):
+            try:
+                cmdline = " ".join(p.cmdline())
+                role = next((r for key, r in _ROLES.items() if key in cmdline), None)
+                if role is None and p.parent() is not None and "LLMServer" in " ".join(p.parent().cmdline()):
+                    role = "engine core"
+                if role is not None:
+                    out.setdefault(role, []).append(p.pid)
+            except psutil.Error:
+                pass
+        return out
+
+
+def serve_env(extra: dict[str, str] | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
+    from serve_app.app import SERVE_ENV
+
+    base = SERVE_ENV if base is None else base
+    return {**os.environ, **base, "RAY_ADDRESS": "local", **(extra or {})}  # a fresh local Ray, never another's
+
+
+@contextmanager
+def serve_run(config: dict, port: int, ready_timeout_s: float = 300, log: Path | None = None,
+              env: dict[str, str] | None = None, root: Path = ROOT,
+              base_env: dict[str, str] | None = None) -> Iterator[ServeApp]:
+    """`serve run` of `config` (with its HTTP port set to `port`), up and healthy; stopped with SIGTERM.
+    `env`: more variables for every Ray process (Serve's flags, for experiments). `root`: the checkout
+    whose code serves (another one's, to compare with a baseline), with `base_env` instead of SERVE_ENV."""
+    with socket.socket() as probe:  # another app on this port would answer our health checks and requests
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            raise RuntimeError(f"port {port} is already in use; pick another (--port)")
+    config = {**config, "http_options": {**config.get("http_options", {}), "host": "127.0.0.1", "port": port}}
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="pagedserve-bench-", delete=False) as f:
+        yaml.safe_dump(config, f)
+    out = open(log, "w") if log else subprocess.DEVNULL
+    serve_bin = Path(sys.executable).parent / "serve"
+    # HAProxy's stats and metrics ports are fixed unless set: never collide with another app on this machine.
+    env = {"RAY_SERVE_HAPROXY_STATS_PORT": str(port + 1404), "RAY_SERVE_HAPROXY_METRICS_PORT": str(port + 2101),
+           **(env or {})}
+    proc = subprocess.Popen([str(serve_bin), "run", f.name], cwd=root, env=serve_env(env, base_env), stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"serve run exited ({proc.returncode}) before the app was healthy"
+                                   + (f"; see {log}" if log else ""))
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("serve run: the app did not become healthy in time")
+            time.sleep(0.5)
+        yield ServeApp(url, proc)
+    finally:
+        stop(proc)
+        os.unlink(f.name)
+        if log:
+            out.close()
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever of its own Ray is left (raylet, workers, haproxy)
+    except ProcessLookupError:
+        pass
+    proc.wait()
