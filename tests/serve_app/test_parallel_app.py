@@ -24,19 +24,24 @@ def app_url(deploy_app):
     serve.delete(APP)
 
 
-def _replica_actor() -> str:
+def _replica_actors() -> list[str]:
+    """While Serve replaces a replica, the old one's actor may still be listed next to the new one's."""
     import ray
 
-    [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-              if a["name"].startswith(f"SERVE_REPLICA::{APP}#LLMServer#")]
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"SERVE_REPLICA::{APP}#LLMServer#")]
+
+
+def _replica_actor() -> str:
+    [name] = _replica_actors()
     return name
 
 
-def _worker_actors() -> list[tuple[str, str]]:
+def _worker_actors(replica: str | None = None) -> list[tuple[str, str]]:
     """(name, namespace) of the replica's worker actors."""
     import ray
 
-    replica_id = _replica_actor().rsplit("#", 1)[1]
+    replica_id = (replica or _replica_actor()).rsplit("#", 1)[1]
     return [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
             if a["name"].startswith(f"pagedserve-{replica_id}-rank")]
 
@@ -83,7 +88,11 @@ def test_killed_worker_ends_streams_and_the_replica_is_replaced(app_url):
 
     outcome = asyncio.run(stream_then_kill())
     assert outcome["finish_reason"] != "length" and outcome["error"] is not None and outcome["done"], outcome
-    wait_for(lambda: _replica_actor() != replica and len(_worker_actors()) == 1, timeout=120, interval=1)
+    def replaced() -> bool:
+        replicas = _replica_actors()
+        return len(replicas) == 1 and replicas[0] != replica and len(_worker_actors(replicas[0])) == 1
+
+    wait_for(replaced, timeout=120, interval=1)
     client = openai.OpenAI(base_url=app_url + "/v1", api_key="-", max_retries=2, timeout=60)
     wait_for(lambda: client.completions.create(model="pagedserve-tiny", prompt="again", max_tokens=4).usage.completion_tokens == 4,
              timeout=60, interval=1)
