@@ -67,10 +67,10 @@ def run_engine_loop(engine: LLMEngine, next_command: Callable[[float], Command |
                 elif kind == "release_kv":
                     engine.release_kv(payload)
                 command = next_command(0.0)
-            engine.poll_kv_leases()
+            freed = engine.poll_kv_leases()  # blocks held for KV consumers: their stats must show the release
             if engine.has_unfinished_requests():
                 outputs.extend(engine.step())
-            if outputs or num_adds:
+            if outputs or num_adds or freed:
                 emit(("outputs", outputs, engine.get_stats(), num_adds))
     except BaseException as e:
         logger.exception("fatal engine error")

@@ -21,7 +21,7 @@ from engine.executor import Rendezvous
 from engine.executor.worker import threads_per_rank
 from engine.input_processor import InputProcessor, PreparedRequest, resolve_eos_token_ids
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_transfer.shared_memory import SharedMemoryConnector, kv_layout
+from engine.kv_transfer.shared_memory import SharedMemoryConnector, kv_layout, staged_prefix
 from engine.model_runner import LogprobEntry, ModelRunner, ModelRunnerOutput, StepPlan
 from engine.model_spec import ModelSpec
 from engine.output_processor import OutputProcessor
@@ -61,8 +61,8 @@ class LLMEngine:
         self.kv_connector = None
         if config.kv_transfer_config is not None:
             layout, stages = kv_layout(config, self.model_config, self.dtype)
-            self.kv_connector = SharedMemoryConnector(config.kv_transfer_config, f"kv-{uuid.uuid4().hex[:12]}", layout,
-                                                      config.block_size, self.dtype, layers_per_rank=stages)
+            self.kv_connector = SharedMemoryConnector(config.kv_transfer_config, staged_prefix("kv") + uuid.uuid4().hex[:12],
+                                                      layout, config.block_size, self.dtype, layers_per_rank=stages)
             self.model_runner.kv_connector = self.kv_connector
         try:
             self.scheduler = self._build_scheduler(self.model_runner.num_blocks)
@@ -368,24 +368,30 @@ class LLMEngine:
                 del self._parked[rid]
 
     def release_kv(self, request_id: str) -> None:
-        """A consumer has the KV this engine produced for `request_id`: free its held blocks."""
+        """A consumer has the KV this engine produced for `request_id`: its held blocks are freed at the
+        next `poll_kv_leases` (the engine loop's next turn)."""
         if self.kv_connector is not None:
             self.kv_connector.release(request_id)
-            self.poll_kv_leases()
 
-    def poll_kv_leases(self) -> None:
+    def poll_kv_leases(self) -> int:
         """Free the blocks of finished producer requests whose consumer confirmed or whose lease ran out
-        (cheap: call it on every turn of the engine loop, busy or idle)."""
-        if self.kv_connector is not None and self.kv_connector.num_held:
-            for request in self.kv_connector.get_finished(time.monotonic()):
-                self.scheduler.kv_cache_manager.free(request)
+        (cheap: call it on every turn of the engine loop, busy or idle); returns how many were freed."""
+        if self.kv_connector is None or not self.kv_connector.num_held:
+            return 0
+        freed = self.kv_connector.get_finished(time.monotonic())
+        for request in freed:
+            self.scheduler.kv_cache_manager.free(request)
+        return len(freed)
 
     def check_health(self) -> str | None:
         """Why the engine cannot serve (a worker of a multi-rank engine is gone), or None."""
         return self.model_runner.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stop the workers of a multi-rank engine (idempotent; a single-rank engine holds none)."""
+        """Stop the workers of a multi-rank engine (idempotent; a single-rank engine holds none), and
+        delete the KV staged for consumers that will not fetch it now."""
+        if self.kv_connector is not None:
+            self.kv_connector.discard_held()
         self.model_runner.executor.shutdown()
 
     def cache_summary(self, max_blocks: int = 65536) -> bytes:

@@ -38,27 +38,40 @@ SERVE_ENV = {**HAPROXY_INGRESS_ENV, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIO
 
 
 def build_app(args: AppArgs) -> Application:
-    engine_config = args.engine_config()
-    router = ROUTERS[args.router]
+    if args.disaggregation is None:
+        engine = _engine_deployment(args, "LLMServer", None, args.router, args.router_kwargs)
+    else:
+        # Decode-as-orchestrator (Ray Serve LLM 2.60's P/D shape): the ingress talks to the decode pool, routed
+        # by load and KV usage; each decode replica asks the prefill pool, routed by our prefix router.
+        prefill = _engine_deployment(args, "PrefillServer", "prefill", args.router, args.router_kwargs)
+        engine = _engine_deployment(args, "DecodeServer", "decode", "prefix", {"affinity": False},
+                                    prefill=prefill, pd_settings=args.pd_settings())
+    # The ingress holds the clients' streams: it drains as long as the engine replicas do.
+    return OpenAIIngress.options(num_replicas=args.ingress_replicas,
+                                 graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s).bind(engine, args.model_dump(exclude_unset=True))
+
+
+def _engine_deployment(args: AppArgs, name: str, role: str | None, router: str, router_kwargs: dict, **extra):
+    """An engine deployment (`role`: a disaggregation pool, None: the only one)."""
+    engine_config = args.engine_config(role)
     router_config = RequestRouterConfig()
-    if router is not None:
-        kwargs = {"block_size": engine_config.block_size, **args.router_kwargs} if args.router == "prefix" else {}
-        router_config = RequestRouterConfig(request_router_class=router, request_router_kwargs=kwargs,
+    if ROUTERS[router] is not None:
+        kwargs = {"block_size": engine_config.block_size, **router_kwargs} if router == "prefix" else {}
+        router_config = RequestRouterConfig(request_router_class=ROUTERS[router], request_router_kwargs=kwargs,
                                             request_routing_stats_period_s=1, request_routing_stats_timeout_s=5)
-    autoscaling = args.engine_autoscaling_config()
+    autoscaling = args.engine_autoscaling_config(role)
+    num_replicas = args.num_replicas if role is None else getattr(args.disaggregation, role).num_replicas
     placement = {"ray_actor_options": args.ray_actor_options, **args.placement(engine_config)}
     if "placement_group_bundles" in placement and args.placement_group_config.check_fits and ray.is_initialized():
         check_placement(placement["placement_group_bundles"], placement["placement_group_strategy"])
     worker_bundle = placement["placement_group_bundles"][-1] if "placement_group_bundles" in placement else None
-    engine = LLMServer.options(
-        **({"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": args.num_replicas}),
+    return LLMServer.options(
+        name=name,
+        **({"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": num_replicas}),
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
         graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
         request_router_config=router_config,
         **placement,
     ).bind(engine_config.model_dump(mode="json"), args.name, args.tracing.model_dump(),
-           StreamPacing(args.stream_coalesce_cpu_pressure, args.stream_coalesce_interval_s), worker_bundle)
-    # The ingress holds the clients' streams: it drains as long as the engine replicas do.
-    return OpenAIIngress.options(num_replicas=args.ingress_replicas,
-                                 graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s).bind(engine, args.model_dump())
+           StreamPacing(args.stream_coalesce_cpu_pressure, args.stream_coalesce_interval_s), worker_bundle, **extra)

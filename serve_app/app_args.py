@@ -37,6 +37,52 @@ class PlacementGroupConfig(BaseModel):
         "(rather than leave it pending forever). Turn off on an autoscaling cluster whose nodes come later.")
 
 
+# A prefill pool scales on its prefill backlog and TTFT (its requests leave as soon as their prompt is done,
+# so KV usage and waiting requests say little there); a decode pool on KV usage and waiting requests.
+PREFILL_POLICY_KWARGS = {"target_kv_cache_usage": None, "target_waiting_per_replica": None,
+                         "target_queued_prefill_tokens": 4096, "target_ttft_s": 2.0}
+
+
+class PoolConfig(BaseModel):
+    """One pool of disaggregated prefill/decode: its size, and what its engines do differently."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_replicas: int = Field(1, ge=1, description="Replicas, when not autoscaling.")
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Ray Serve autoscaling_config of the pool (replaces num_replicas); without a `policy`, our "
+        "policy on the pool's own signals (a prefill pool: queued prefill tokens and TTFT; a decode pool: KV usage "
+        "and waiting requests). min_replicas must stay >= 1.")
+    engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig fields overriding the top-level `engine`.")
+
+    @model_validator(mode="after")
+    def _never_empty(self) -> PoolConfig:
+        if self.autoscaling_config is not None and self.autoscaling_config.get("min_replicas", 1) < 1:
+            raise ValueError("autoscaling_config.min_replicas: a pool may not scale to 0 replicas while prefill/decode "
+                             "disaggregation is on (requests would find no prefill or no decode replica); use 1 or more")
+        return self
+
+
+class DisaggregationConfig(BaseModel):
+    """Disaggregated prefill/decode (serve_app/disaggregation): a prefill pool computes prompts, a decode pool
+    streams tokens; the decode replica a request lands on decides per request where its prompt is prefilled."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefill: PoolConfig = Field(default_factory=PoolConfig)
+    decode: PoolConfig = Field(default_factory=PoolConfig)
+    min_uncached_prompt_tokens: int = Field(
+        512, ge=0, description="A request whose prompt, minus the prefix the chosen prefill replica caches (as the "
+        "router sees it), is shorter than this is prefilled where it is decoded: short prompts fit in a decode "
+        "step without stretching the streams there, and save a hop and a transfer. 0: always disaggregate.")
+    on_transfer_failure: Literal["recompute", "fail"] = Field(
+        "recompute", description="When the remote prefill or the KV transfer fails (the prefill replica died, the "
+        "lease ran out, the transfer failed or timed out): prefill locally, or fail the request with a 503.")
+    transfer_timeout_s: float = Field(30.0, gt=0, description="Longest wait for each hop: the remote prefill, the fetch.")
+    kv_lease_s: float = Field(
+        30.0, gt=0, description="How long a prefill replica holds a prompt's KV for the decode replica to fetch.")
+
+
 class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -87,6 +133,9 @@ class AppArgs(BaseModel):
     )
     stream_coalesce_interval_s: float = Field(
         0.1, gt=0, le=1, description="The rest between a stream's messages while the CPU is saturated.")
+    disaggregation: DisaggregationConfig | None = Field(
+        None, description="Disaggregated prefill/decode: a prefill and a decode pool, each sized in its section (the "
+        "top-level num_replicas / autoscaling_config are refused then); `router` applies to the prefill pool.")
     placement_group_config: PlacementGroupConfig = Field(
         default_factory=PlacementGroupConfig, description="Bundles of a multi-rank engine replica (engine."
         "tensor_parallel_size / pipeline_parallel_size above 1); unused for one rank.")
@@ -100,6 +149,21 @@ class AppArgs(BaseModel):
         if "model" in self.engine:
             raise ValueError("engine.model: set the model with the top-level `model` field")
         self.engine_config()  # fails naming the engine field
+        return self
+
+    @model_validator(mode="after")
+    def _check_disaggregation(self) -> AppArgs:
+        if self.disaggregation is None:
+            return self
+        for field in ("num_replicas", "autoscaling_config"):
+            if field in self.model_fields_set:
+                raise ValueError(f"{field}: with `disaggregation` set, size each pool in disaggregation.prefill / "
+                                 "disaggregation.decode instead")
+        if self.router != "prefix":
+            raise ValueError("router: disaggregation needs `prefix` for the prefill pool (the decode replica learns "
+                             "from it what the chosen prefill replica caches, and fetches the KV from that replica)")
+        for role in ("prefill", "decode"):
+            self.engine_config(role)  # fails naming the engine field
         return self
 
     @model_validator(mode="after")
@@ -118,26 +182,42 @@ class AppArgs(BaseModel):
                              "refusing to serve /v1 without API keys")
         return keys
 
-    def engine_autoscaling_config(self) -> dict[str, Any] | None:
-        if self.autoscaling_config is None:
+    def engine_autoscaling_config(self, role: str | None = None) -> dict[str, Any] | None:
+        """The engine deployment's autoscaling_config (with `role`, that pool's), None for a fixed size."""
+        source = self.autoscaling_config if role is None else getattr(self.disaggregation, role).autoscaling_config
+        if source is None:
             return None
         config = {"metrics_interval_s": 1, "look_back_period_s": 5, "upscale_delay_s": 0, "downscale_delay_s": 0,
-                  **self.autoscaling_config}
-        config.setdefault("policy", {"policy_function": "autoscale.ray_policy:KVQueueAutoscalingPolicy"})
+                  **source}
+        kwargs = PREFILL_POLICY_KWARGS if role == "prefill" else {}
+        config.setdefault("policy", {"policy_function": "autoscale.ray_policy:KVQueueAutoscalingPolicy",
+                                     "policy_kwargs": kwargs})
         return config
 
     @property
     def name(self) -> str:
         return self.served_model_name or self.model
 
-    def engine_config(self) -> EngineConfig:
+    def engine_config(self, role: str | None = None) -> EngineConfig:
+        """The engine replicas' EngineConfig; with `role` ("prefill" | "decode"), that pool's: the pool's
+        overrides, and its part in the KV transfer."""
         # Replicas run the engine loop in its own process unless told otherwise (engine_core.py: why), and
         # a multi-rank engine's other ranks as Ray actors in the replica's placement group.
-        defaults = {"multiprocess": True, "collect_step_timings": self.tracing.detailed}
-        ranks = self.engine.get("tensor_parallel_size", 1) * self.engine.get("pipeline_parallel_size", 1)
+        defaults: dict[str, Any] = {"multiprocess": True, "collect_step_timings": self.tracing.detailed}
+        fields = dict(self.engine)
+        if role is not None:
+            fields.update(getattr(self.disaggregation, role).engine)
+            defaults["kv_transfer_config"] = {"kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+                                              "lease_s": self.disaggregation.kv_lease_s}
+        ranks = fields.get("tensor_parallel_size", 1) * fields.get("pipeline_parallel_size", 1)
         if isinstance(ranks, int) and ranks > 1:
             defaults["distributed_executor_backend"] = "ray"
-        return EngineConfig(model=self.model, **{**defaults, **self.engine})
+        return EngineConfig(model=self.model, **{**defaults, **fields})
+
+    def pd_settings(self) -> dict[str, Any]:
+        d = self.disaggregation
+        return {"min_uncached_prompt_tokens": d.min_uncached_prompt_tokens, "on_transfer_failure": d.on_transfer_failure,
+                "transfer_timeout_s": d.transfer_timeout_s}
 
     def placement(self, engine: EngineConfig) -> dict[str, Any]:
         """Deployment options of a multi-rank replica: one bundle per rank (bundle 0 also holding the

@@ -17,3 +17,6 @@ class EngineRequest:
     priority: int = 0
     cache_salt: str | None = None
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent/tracestate carrier
+    # Filled by the prefix router in the caller's process: prompt blocks each candidate replica is estimated
+    # to hold (the P/D orchestrator's uncached length for the replica Serve picked).
+    routed_matched_blocks: dict[str, int] = field(default_factory=dict)

@@ -40,7 +40,8 @@ class OpenAIIngress:
         self.args = AppArgs.model_validate(args)
         tracing.setup_tracing(self.args.tracing, {"pagedserve.component": "ingress", "gen_ai.request.model": self.args.name,
                                                   "pagedserve.replica": replica_context.replica_id()})
-        self.processor = InputProcessor.from_config(self.args.engine_config())
+        # Requests go to the decode pool when prefill and decode are disaggregated: validate for its engines.
+        self.processor = InputProcessor.from_config(self.args.engine_config("decode" if self.args.disaggregation else None))
         self.engine = engine
         self.openai = OpenAIServing(self.processor, self.args.name, engine.options(stream=True),
                                     self.args.tool_call_parser)

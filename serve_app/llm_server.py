@@ -9,11 +9,13 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
@@ -22,7 +24,9 @@ from engine.stats import EngineStats
 from serve_app import replica_context, tracing
 from serve_app.cpu_pressure import CpuPressure
 from serve_app.engine_request import EngineRequest
-from serve_app.metrics import EngineMetrics
+from serve_app.disaggregation.orchestrator import PDSettings, PrefillOrchestrator
+from serve_app.disaggregation.transfer import KVFetchRequest, KVFetchResult, PrefillResult, put_staged, staging_dir
+from serve_app.metrics import DisaggregationMetrics, EngineMetrics, RecentTTFT
 from serve_app.ray_workers import RayWorkerLauncher
 
 logger = logging.getLogger(__name__)
@@ -50,9 +54,12 @@ class StreamPacing:
 )
 class LLMServer:
     def __init__(self, engine_config: dict, served_model_name: str, tracing_config: dict | None = None,
-                 pacing: StreamPacing | None = None, worker_bundle: dict[str, float] | None = None) -> None:
+                 pacing: StreamPacing | None = None, worker_bundle: dict[str, float] | None = None,
+                 prefill: DeploymentHandle | None = None, pd_settings: dict | None = None) -> None:
         """`worker_bundle`: with the ray backend, the resources of each rank's placement-group bundle; the
-        engine's other ranks start as actors there (serve_app/ray_workers.py)."""
+        engine's other ranks start as actors there (serve_app/ray_workers.py). `prefill`: this replica
+        decodes for a prefill pool (disaggregated prefill/decode, serve_app/disaggregation), with
+        `pd_settings` (PDSettings fields)."""
         self.replica_id = replica_id = replica_context.replica_id()
         self.model_name = served_model_name
         self.tracer = tracing.setup_tracing(
@@ -65,6 +72,13 @@ class LLMServer:
             launcher = RayWorkerLauncher(worker_bundle or {}, name=f"pagedserve-{replica_id}")
         self.llm = AsyncLLM(config, launcher)
         self.metrics = EngineMetrics(served_model_name, replica_id)
+        self.ttft = RecentTTFT()
+        self.staging_dir = staging_dir(engine_config)
+        self.pd = None
+        if prefill is not None:
+            settings = PDSettings(**(pd_settings or {}), block_size=config.block_size, staging_dir=self.staging_dir)
+            self.pd = PrefillOrchestrator(prefill, settings, DisaggregationMetrics(served_model_name, replica_id))
+        self._prefilled: dict[str, tuple[dict, float]] = {}  # prefill pool: request id -> (KV params, lease end)
         self._metrics_task = asyncio.get_event_loop().create_task(self._export_metrics())
         self.pacing = pacing or StreamPacing()
         self.cpu = CpuPressure()
@@ -81,15 +95,23 @@ class LLMServer:
         went away) aborts the request and frees its KV blocks."""
         request_trace = _RequestTrace(self, request) if self.tracer is not None else None
         first = True
+        remote = None
         try:
+            if self.pd is not None:  # decode pool: prefill on the prefill pool when that pays
+                with trace.use_span(request_trace.span, end_on_exit=False) if request_trace else nullcontext():
+                    remote = await self.pd.remote_kv(request)
             async for output in self.llm.generate(
                 request.prompt_token_ids,
                 request.sampling_params,
                 request_id=request.request_id,
                 priority=request.priority,
                 cache_salt=request.cache_salt,
+                kv_transfer_params=remote.kv_transfer_params if remote is not None else None,
             ):
+                if remote is not None:  # the prompt's cache hits happened on the prefill replica
+                    output.num_cached_tokens = max(output.num_cached_tokens, remote.cached_tokens)
                 self.metrics.observe(output)
+                self.ttft.observe(output)
                 if request_trace is not None:
                     request_trace.observe(output)
                 yield dataclasses.replace(output, metrics=None, prompt_token_ids=output.prompt_token_ids if first else [])
@@ -101,8 +123,56 @@ class LLMServer:
                 request_trace.failed(e)
             raise
         finally:
+            if remote is not None:  # loaded (the engine deleted it) or never: either way spent
+                self.pd.discard(remote)
             if request_trace is not None:
                 request_trace.end()
+
+    async def prefill(self, request: EngineRequest) -> PrefillResult:
+        """Prefill pool: compute the prompt's KV (and one token, thrown away) and hold it for the decode
+        replica that asked, under the engine's lease, until it fetches it."""
+        final = None
+        async for output in self.llm.generate(request.prompt_token_ids, request.sampling_params,
+                                              request_id=request.request_id, priority=request.priority,
+                                              cache_salt=request.cache_salt, kv_transfer_params={"do_remote_decode": True}):
+            final = output
+            self.metrics.observe(output)
+            self.ttft.observe(output)
+        params = final.kv_transfer_params if final is not None else None
+        if params is None:
+            raise RuntimeError("the engine produced no KV to transfer: is this replica's engine a kv_producer?")
+        now = time.monotonic()
+        for rid in [rid for rid, (_, end) in self._prefilled.items() if end < now]:
+            del self._prefilled[rid]  # their leases ran out in the engine too
+        self._prefilled[request.request_id] = (params, now + params["lease_s"])
+        return PrefillResult(params, self.replica_id, request.request_id)
+
+    async def fetch_kv(self, fetch: KVFetchRequest) -> KVFetchResult:
+        """Prefill pool (pinned here by the router): the held KV into the object store; then the engine may
+        free it. Raises when nothing is held any more (fetched already, or the lease ran out)."""
+        params, lease_end = self._prefilled.pop(fetch.request_id, (None, 0.0))
+        if params is None or time.monotonic() > lease_end:
+            self.llm.release_kv(fetch.request_id)
+            raise FileNotFoundError(f"no KV is held for request {fetch.request_id}: its lease ran out")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, put_staged, params, self.staging_dir)
+        finally:
+            self.llm.release_kv(fetch.request_id)
+
+    def release_kv(self, fetch: KVFetchRequest) -> None:
+        """Prefill pool: the decode side gave up on this KV; free it now rather than at the lease's end."""
+        self._prefilled.pop(fetch.request_id, None)
+        self.llm.release_kv(fetch.request_id)
+
+    def pd_stats(self) -> dict[str, float]:
+        """A decode replica's disaggregation counters: remote prefills, local ones by reason, transfers."""
+        return dict(self.pd.metrics.totals) if self.pd is not None else {}
+
+    def set_pd_faults(self, faults: dict | None) -> None:
+        """Test hook of a decode replica: inject a transfer failure or a pause before the fetch
+        (PDSettings.faults), or switch on_transfer_failure."""
+        if self.pd is not None:
+            self.pd.settings.faults = dict(faults or {})
 
     def stats(self) -> EngineStats:
         return self.llm.stats
@@ -124,7 +194,8 @@ class LLMServer:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         s = self.llm.stats
-        return {"kv_cache_usage": s.kv_cache_usage, "num_waiting": float(s.num_waiting), "num_running": float(s.num_running)}
+        return {"kv_cache_usage": s.kv_cache_usage, "num_waiting": float(s.num_waiting), "num_running": float(s.num_running),
+                "queued_prefill_tokens": float(s.queued_prefill_tokens), "ttft_s": self.ttft.p90()}
 
     def record_routing_stats(self) -> dict:
         """Load, and the prefix cache's block summary (packed uint64 short hashes) for the prefix router."""

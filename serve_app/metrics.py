@@ -5,6 +5,9 @@ histograms are observed once per finished request."""
 
 from __future__ import annotations
 
+import time
+from collections import deque
+
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from engine.outputs import RequestOutput
@@ -77,3 +80,61 @@ class EngineMetrics:
                                  (self.e2e, m.e2e_latency), (self.queue, m.queue_time)):
             if value is not None:
                 histogram.observe(value, tags=self.tags)
+
+
+class DisaggregationMetrics:
+    """A decode replica's prefill/decode disaggregation: KV transfers (bytes, seconds), requests prefilled
+    on the prefill pool, and those prefilled here (`reason`: short_prompt below min_uncached_prompt_tokens,
+    fallback after a failed remote prefill, ineligible such as prompt logprobs)."""
+
+    def __init__(self, model_name: str, replica: str) -> None:
+        self.tags = {"model_name": model_name, "replica": replica}
+        self.bytes = Counter(_PREFIX + "pd_kv_transfer_bytes", description="KV bytes fetched from prefill replicas.",
+                             tag_keys=_TAGS)
+        self.seconds = Histogram(_PREFIX + "pd_kv_transfer_seconds", description="Fetch to staged here, per request.",
+                                 boundaries=_LATENCY_BUCKETS, tag_keys=_TAGS)
+        self.remote = Counter(_PREFIX + "pd_remote_prefills", description="Requests prefilled on the prefill pool.",
+                              tag_keys=_TAGS)
+        self.local = Counter(_PREFIX + "pd_local_prefills", description="Requests prefilled on this decode replica.",
+                             tag_keys=(*_TAGS, "reason"))
+        # The same, readable in-process (LLMServer.pd_stats: tests and benchmarks/pd_live.py).
+        self.totals: dict[str, float] = {"transfer_bytes": 0, "transfer_seconds": 0.0, "transfers": 0, "remote": 0}
+
+    def transfer(self, num_bytes: int, seconds: float) -> None:
+        self.bytes.inc(num_bytes, tags=self.tags)
+        self.seconds.observe(seconds, tags=self.tags)
+        self.totals["transfer_bytes"] += num_bytes
+        self.totals["transfer_seconds"] += seconds
+        self.totals["transfers"] += 1
+
+    def remote_prefill(self) -> None:
+        self.remote.inc(1, tags=self.tags)
+        self.totals["remote"] += 1
+
+    def local_prefill(self, reason: str) -> None:
+        self.local.inc(1, tags={**self.tags, "reason": reason})
+        self.totals[f"local_{reason}"] = self.totals.get(f"local_{reason}", 0) + 1
+
+
+class RecentTTFT:
+    """The replica's time to first token over the last `window_s`, as the p90 of its requests (the
+    prefill pool's latency signal for the autoscaler; 0 when nothing started lately)."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque()  # (when, ttft)
+
+    def observe(self, output: RequestOutput) -> None:
+        """One sample per request, when it finishes (a prefill replica's requests finish at their first token)."""
+        m = output.metrics
+        if output.finished and m is not None and m.time_to_first_token is not None:
+            self._samples.append((time.monotonic(), m.time_to_first_token))
+
+    def p90(self) -> float:
+        horizon = time.monotonic() - self.window_s
+        while self._samples and self._samples[0][0] < horizon:
+            self._samples.popleft()
+        if not self._samples:
+            return 0.0
+        values = sorted(v for _, v in self._samples)
+        return values[min(len(values) - 1, int(0.9 * len(values)))]

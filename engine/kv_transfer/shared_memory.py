@@ -3,8 +3,8 @@
 A producer's ranks save a finished prompt's KV, layer by layer, into `<name>.rank<r>.kv` ([local layers,
 2, tokens, kv heads, head dim] in the model's dtype); a consumer's ranks load such files into their
 blocks. Between two engines on one host the files are the transfer; across hosts a transport moves them
-(serve_app/kv_transport.py puts them in Ray's object store on the prefill side and writes them back on
-the decode side). Staging costs one copy out of the blocks (gather) and one copy into them (scatter)."""
+(serve_app/disaggregation/transfer.py puts them in Ray's object store on the prefill side and writes them
+back on the decode side). Staging costs one copy out of the blocks (gather) and one copy into them (scatter)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,25 @@ from kernels.attention.backend import kv_rows
 logger = logging.getLogger(__name__)
 
 _DEFAULT_DIR = "/dev/shm" if Path("/dev/shm").is_dir() else "/tmp"
+_SWEEP_INTERVAL_S = 10.0
+
+
+def staged_prefix(kind: str) -> str:
+    """`kv` (a producer's) or `rx` (received) and the writing process's pid: when that process is gone its
+    files are orphans, and any engine on the host may delete them."""
+    return f"{kind}-{os.getpid()}-"
+
+
+def _orphaned(name: str) -> bool:
+    try:
+        os.kill(int(name.split("-")[1]), 0)
+    except (IndexError, ValueError):
+        return False
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, someone else's
+        return False
+    return False
 
 
 def staged_path(directory: str, name: str, rank: int) -> Path:
@@ -56,6 +75,7 @@ class SharedMemoryConnector(KVConnector):
         self._held: dict[str, tuple[Request, float, str]] = {}  # request id -> (request, lease end, staged name)
         self._released: set[str] = set()
         self._saving: dict[str, torch.Tensor] = {}  # this step's staged tensors, by name (worker side)
+        self._next_sweep = 0.0
 
     # --- scheduler side --------------------------------------------------------------------------------
 
@@ -108,6 +128,8 @@ class SharedMemoryConnector(KVConnector):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
+        if self.consumes and params and "name" in params:  # loaded, or never will be: either way spent
+            self.discard(params["name"])
         if not self.produces or not params or not params.get("do_remote_decode"):
             return False, None
         name = self.staged_name(request)
@@ -121,6 +143,8 @@ class SharedMemoryConnector(KVConnector):
                       "engine_id": self.engine_id, "request_id": request.request_id, "lease_s": self.config.lease_s}
 
     def get_finished(self, now: float) -> list[Request]:
+        if now >= self._next_sweep:
+            self.remove_stale_files(older_than_s=max(600.0, 10 * self.config.lease_s))
         done = [rid for rid, (_, end, _) in self._held.items() if rid in self._released or now >= end]
         freed = []
         for rid in done:
@@ -137,6 +161,25 @@ class SharedMemoryConnector(KVConnector):
     @property
     def num_held(self) -> int:
         return len(self._held)
+
+    def discard_held(self) -> None:
+        """The engine stops: its staged KV will never be fetched."""
+        for _, _, name in self._held.values():
+            self.discard(name)
+        self._held.clear()
+
+    def remove_stale_files(self, older_than_s: float) -> None:
+        """Staged KV left behind by processes that died (a file in /dev/shm outlives its writer): delete the
+        files whose writer is gone, and those older than any lease (`older_than_s`, for writers in
+        another pid namespace)."""
+        horizon = time.time() - older_than_s
+        self._next_sweep = time.monotonic() + _SWEEP_INTERVAL_S
+        for path in Path(self.directory).glob("*.rank*.kv"):
+            try:
+                if path.name.startswith(("kv-", "rx-")) and (_orphaned(path.name) or path.stat().st_mtime < horizon):
+                    path.unlink()
+            except FileNotFoundError:
+                pass
 
     def discard(self, name: str) -> None:
         """Delete a staged KV's files (every rank's: they share this host)."""

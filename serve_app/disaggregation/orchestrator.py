@@ -15,9 +15,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import ray
+from ray import serve
 from ray.exceptions import RayError
+from ray.serve._private.constants import SERVE_NAMESPACE
 from ray.serve.exceptions import RayServeException
 
+from engine.kv_transfer.shared_memory import staged_prefix
 from engine.sampling_params import SamplingParams
 from serve_app import tracing
 from serve_app.disaggregation.policy import should_disaggregate
@@ -40,6 +44,7 @@ class PDSettings:
     transfer_timeout_s: float
     block_size: int
     staging_dir: str
+    prefill_deployment: str = "PrefillServer"
     # Test hooks (LLMServer.set_pd_faults): faults are injected here, never by racing a kill.
     faults: dict = field(default_factory=dict)
 
@@ -103,12 +108,14 @@ class PrefillOrchestrator:
             await asyncio.sleep(pause)
         if s.faults.get("fail_transfer"):
             raise TransferFailed("injected transfer failure")
+        if not self._alive(result.replica_id):  # a fetch pinned to a dead replica would wait for nothing
+            raise TransferFailed(f"prefill replica {result.replica_id} is gone")
         start = time.monotonic()
         with tracing.span("kv_transfer", **{"pagedserve.kv_transfer.tokens": params["num_tokens"]}) as span:
             fetched = await asyncio.wait_for(self.fetch.remote(KVFetchRequest(result.replica_id, result.request_id)),
                                              s.transfer_timeout_s)
             arrays = await asyncio.wait_for(asyncio.gather(*fetched.refs), s.transfer_timeout_s)
-            name = f"rx-{uuid.uuid4().hex}"
+            name = staged_prefix("rx") + uuid.uuid4().hex
             await asyncio.get_running_loop().run_in_executor(None, write_staged, arrays, name, s.staging_dir)
             del arrays, fetched.refs  # the object store may drop its copy now
             seconds = time.monotonic() - start
@@ -129,6 +136,17 @@ class PrefillOrchestrator:
                            code="kv_transfer_failed", retry_after_s=1)
         self.metrics.local_prefill("fallback")
         return None
+
+    def _alive(self, replica_id: str) -> bool:
+        try:
+            context = serve.get_replica_context()
+            name = f"SERVE_REPLICA::{context.app_name}#{self.settings.prefill_deployment}#{replica_id}"
+            ray.get_actor(name, namespace=SERVE_NAMESPACE)
+            return True
+        except ValueError:  # no such actor: it died
+            return False
+        except RayServeException:  # not in a replica (tests building the class): cannot tell
+            return True
 
     def discard(self, remote: RemoteKV) -> None:
         """Staged KV the engine never loaded (the request ended before it was admitted)."""

@@ -11,6 +11,7 @@ import numpy as np
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from serve_app import tracing
+from serve_app.disaggregation.transfer import KVFetchRequest
 from serve_app.engine_request import EngineRequest
 from serve_app.routing.prefix_policy import PrefixRouterConfig, PrefixRouterPolicy, ReplicaLoad
 
@@ -20,7 +21,6 @@ class PrefixRouter(RequestRouter):
         """`request_router_kwargs` are PrefixRouterConfig fields."""
         self.policy = PrefixRouterPolicy(PrefixRouterConfig(**kwargs))
         self._summaries: dict[str, tuple[bytes, frozenset[int]]] = {}
-        self.last_decision = None
 
     def _load(self, replica: RunningReplica, now: float) -> ReplicaLoad:
         stats = replica.routing_stats or {}
@@ -50,11 +50,14 @@ class PrefixRouter(RequestRouter):
         if not candidate_replicas:
             return []
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        if isinstance(request, KVFetchRequest):  # pinned: only the replica holding the KV can answer
+            return [[by_id[request.replica_id]]] if request.replica_id in by_id else []
         hashes = request.block_hashes if isinstance(request, EngineRequest) else []
         now = time.time()
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         decision = self.policy.route(hashes, [self._load(r, now) for r in candidate_replicas], now)
-        self.last_decision = decision
+        if isinstance(request, EngineRequest):
+            request.routed_matched_blocks = decision.matched_by_replica
         tracer = tracing.tracer()
         if tracer is not None and isinstance(request, EngineRequest):
             tracer.start_span("route", context=tracing.extract(request.trace_context), attributes={

@@ -63,6 +63,7 @@ def test_decode_from_transferred_kv_equals_colocated(hf_checkpoint, layout):
             assert not any(staged_path("/dev/shm", params["name"], r).exists() for r in range(tp * pp))  # loaded: gone
         for rid in prompts:
             producer.release_kv(rid)
+        assert producer.poll_kv_leases() == len(prompts)
         assert producer.kv_connector.num_held == 0 and _idle(producer) and _idle(consumer)
     finally:
         producer.shutdown()

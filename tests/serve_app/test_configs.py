@@ -25,7 +25,7 @@ def test_config_is_valid(path):
         args = AppArgs.model_validate(app.args)
         assert builder.__annotations__["args"] is AppArgs  # a class, not a string: Ray validates args with it
         names = {d.name for d in app.deployments}
-        assert names <= {"LLMServer", "OpenAIIngress"}, names
+        assert names <= {"LLMServer", "PrefillServer", "DecodeServer", "OpenAIIngress"}, names
         assert args.engine_config().model == args.model
 
 
