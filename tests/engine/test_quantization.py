@@ -77,8 +77,6 @@ CASES = {
     "ct_w4a16_asym_group": ("qwen3", write_compressed_tensors, dict(bits=4, strategy="group", symmetric=False,
                                                                      group_size=32), {"int4"}),
     "ct_w8a16_channel": ("llama", write_compressed_tensors, dict(bits=8, strategy="channel", symmetric=True), {"int8"}),
-    "ct_w4a16_sym_channel": ("mistral", write_compressed_tensors, dict(bits=4, strategy="channel", symmetric=True),
-                             {"int4"}),
     "fp8_block": ("llama", write_fp8, dict(scales="block"), {None}),
     "fp8_tensor": ("qwen2", write_fp8, dict(scales="tensor"), {None}),
     "fp8_channel": ("mistral", write_fp8, dict(scales="channel"), {None}),
@@ -93,9 +91,9 @@ def test_checkpoint_formats_match_their_dequantized_weights(case, quantized):
     llm = LLM(path, dtype="float32", quantization=fmt if case.endswith("v1") else None)
     assert _computes(llm) == (computes - {None})  # fp8 layers compute dense (no compute attribute)
     _check_parity(llm, oracle, case)
-    again = llm.generate(PROMPTS[2:], PARAMS, use_tqdm=False)[0]  # prefix caching on quantized weights
-    assert again.num_cached_tokens >= 32
-    assert again.outputs[0].token_ids == llm.generate(PROMPTS[2:], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+    if case == "gptq4_sym_v1":  # prefix caching on quantized weights: a cached prompt decodes the same
+        first, again = (llm.generate(PROMPTS[2:], PARAMS, use_tqdm=False)[0] for _ in range(2))
+        assert again.num_cached_tokens >= 32 and again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
 def _oracle_online(dense, out, scheme: str):
@@ -112,8 +110,7 @@ def _oracle_online(dense, out, scheme: str):
     return _write(dense, out, oracle, None)
 
 
-@pytest.mark.parametrize("arch,scheme", [("llama", "int8"), ("mistral", "int8"), ("qwen2", "int8"),
-                                         ("qwen3", "int8"), ("llama", "int4"), ("qwen3", "int4")])
+@pytest.mark.parametrize("arch,scheme", [("llama", "int8"), ("qwen2", "int8"), ("qwen3", "int4")])
 def test_online_quantization_matches_its_dequantized_weights(arch, scheme, hf_checkpoint, tmp_path):
     dense = hf_checkpoint(arch)
     oracle = str(_oracle_online(dense, tmp_path / "oracle", scheme))

@@ -88,3 +88,10 @@ def test_http_app_takes_its_keys_from_the_environment(monkeypatch):
     monkeypatch.delenv("PAGEDSERVE_API_KEYS")
     with pytest.raises(ValueError, match="PAGEDSERVE_API_KEYS is unset"):
         build_http_app(ingress)
+
+
+def test_engine_quantization_passes_through_to_the_engine():
+    config = yaml.safe_load("args: {model: pagedserve-tiny, engine: {quantization: int8}}")
+    assert AppArgs.model_validate(config["args"]).engine_config().quantization == "int8"
+    with pytest.raises(ValueError, match="quantization"):
+        AppArgs.model_validate({"engine": {"quantization": "nf4"}}).engine_config()
