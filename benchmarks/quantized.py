@@ -5,16 +5,16 @@
                                    [--decode-tokens 64] [--threads 2] [--rounds 2] [--no-llamacpp]
 
 Run it from the repository root with `-m` (so that this checkout's engine is imported). Each batch size
-runs B requests of --prompt-len random tokens, greedy, ignore_eos. Decode tokens/s = B * T / (time of a
-T + 1 token generation - time of a 1 token one), prefix caching off so that both runs prefill alike; each
-system runs --rounds times, interleaved with the others, and its best round counts. llama.cpp:
+runs B requests of --prompt-len random tokens, greedy, ignore_eos, T + 1 output tokens; decode tokens/s =
+B * T / the time from the step where every request has its first token to the last step. Each system
+runs --rounds times, interleaved with the others, and its best round counts. llama.cpp:
 `llama-batched-bench -npp P -ntg T -npl B` on GGUF files converted from the same checkpoint, quantized with
 `llama-quantize --leave-output-tensor` so that its LM head stays f32 as ours does (S_TG: its decode rate).
 llama.cpp is built by benchmarks/peers/llamacpp.py (the serving-quality branch's helper).
 
 Beside the rates it prints the bytes of weights a decode step reads (all weights but the embedding) and
 the speed-up those bytes allow over float32: with an unquantized LM head that ceiling is low on a small
-model (the 56M model's 32k x 512 head is a third of its float32 bytes)."""
+model (the 56M model's 32k x 512 head is two fifths of its float32 bytes)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import re
 import subprocess
 import time
 
-from engine import LLM, SamplingParams
+from engine import LLM, RequestOutputKind, SamplingParams
 from engine.models.builtin import materialize_builtin
 from engine.models.loader import weight_bytes
 
@@ -39,16 +39,18 @@ def prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def decode_rate(llm: LLM, batch: int, prompt_len: int, tokens: int) -> float:
-    reqs = prompts(batch, prompt_len)
-
-    def run(n: int) -> float:
-        start = time.perf_counter()
-        outs = llm.generate(reqs, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-        assert all(len(o.outputs[0].token_ids) == n for o in outs)
-        return time.perf_counter() - start
-
-    prefill = run(1)
-    return batch * tokens / max(run(tokens + 1) - prefill, 1e-9)
+    """Steps the engine by hand: the clock starts once every request has its first token (prefill done)."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    for prompt in prompts(batch, prompt_len):
+        engine.add_prepared(engine.prepare_request(prompt, params))
+    started: set[str] = set()
+    while len(started) < batch:
+        started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return batch * tokens / (time.perf_counter() - start)
 
 
 def read_bytes(llm: LLM) -> int:
@@ -60,7 +62,7 @@ def read_bytes(llm: LLM) -> int:
 
 def bench_ours(model: str, args) -> tuple[dict, dict]:
     blocks = max(args.batches) * -(-(args.prompt_len + args.decode_tokens + 2) // 16) + 8
-    engines = {name: LLM(model, enable_prefix_caching=False, num_kv_blocks=blocks, max_num_seqs=max(args.batches),
+    engines = {name: LLM(model, num_kv_blocks=blocks, max_num_seqs=max(args.batches), max_model_len=16 * (blocks - 8),
                          num_threads=args.threads, **kwargs) for name, kwargs in OURS.items() if name in args.systems}
     for llm in engines.values():  # warm-up: kernels built, first allocations made
         decode_rate(llm, 1, args.prompt_len, 2)

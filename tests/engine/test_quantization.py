@@ -34,6 +34,7 @@ LOGPROB_TOL = 2e-3
 TIE = 2 * LOGPROB_TOL
 NEW_TOKENS = 12
 PROMPTS = [[1, *range(300, 340)], [1, 7, 99, 4000, 12, 555], [1, *range(300, 330), 9, 9, 9]]  # 1 and 3 share 31 tokens
+ENGINE = dict(**ENGINE, num_kv_blocks=64, max_model_len=256)  # a small KV pool: engines start fast
 PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
 
 
@@ -88,7 +89,7 @@ def test_checkpoint_formats_match_their_dequantized_weights(case, quantized):
     path, oracle = quantized(case)
     computes = CASES[case][3]
     fmt = json.loads(open(f"{path}/config.json").read())["quantization_config"]["quant_method"]
-    llm = LLM(path, dtype="float32", quantization=fmt if case.endswith("v1") else None)
+    llm = LLM(path, **ENGINE, quantization=fmt if case.endswith("v1") else None)
     assert _computes(llm) == (computes - {None})  # fp8 layers compute dense (no compute attribute)
     _check_parity(llm, oracle, case)
     if case == "gptq4_sym_v1":  # prefix caching on quantized weights: a cached prompt decodes the same
@@ -114,7 +115,7 @@ def _oracle_online(dense, out, scheme: str):
 def test_online_quantization_matches_its_dequantized_weights(arch, scheme, hf_checkpoint, tmp_path):
     dense = hf_checkpoint(arch)
     oracle = str(_oracle_online(dense, tmp_path / "oracle", scheme))
-    llm = LLM(str(dense), dtype="float32", quantization=scheme)
+    llm = LLM(str(dense), **ENGINE, quantization=scheme)
     assert _computes(llm) == {scheme}
     model = llm.llm_engine.model_runner.model
     assert model.lm_head.quant_method.__class__.__name__ == "DenseLinearMethod"
@@ -129,7 +130,7 @@ def test_online_quantization_error_within_the_scheme_bound(hf_checkpoint):
     dense = hf_checkpoint("qwen3")
     weights = load_file(str(dense / "model.safetensors"))
     for scheme in ("int8", "int4"):
-        llm = LLM(str(dense), dtype="float32", quantization=scheme)
+        llm = LLM(str(dense), **ENGINE, quantization=scheme)
         layer = llm.llm_engine.model_runner.model.model.layers[0]
         for fused, names in (("self_attn.qkv_proj", ["q_proj", "k_proj", "v_proj"]), ("mlp.down_proj", ["down_proj"])):
             module = layer.get_submodule(fused)
@@ -170,8 +171,8 @@ def test_tensor_parallel_equals_one_rank(case, quantized, hf_checkpoint):
         model, quantization = str(hf_checkpoint("qwen2")), "int8"
     else:
         model, quantization = quantized(case)[0], None
-    one = LLM(model, dtype="float32", quantization=quantization).generate(PROMPTS, PARAMS, use_tqdm=False)
-    llm = LLM(model, dtype="float32", quantization=quantization, tensor_parallel_size=2)
+    one = LLM(model, **ENGINE, quantization=quantization).generate(PROMPTS, PARAMS, use_tqdm=False)
+    llm = LLM(model, **ENGINE, quantization=quantization, tensor_parallel_size=2)
     try:
         two = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     finally:

@@ -19,6 +19,8 @@ from engine.models.layers.quantization.base import QuantizationConfig, QuantMeth
 from engine.models.layers.quantization.dense import DenseLinearMethod
 from engine.models.layers.quantization.weight_only import quant_param
 
+_DENSE = DenseLinearMethod()  # the dequantized weight computes as a dense layer
+
 
 class Fp8Config(QuantizationConfig):
     name = "fp8"
@@ -83,10 +85,10 @@ class Fp8LinearMethod(QuantMethod):
             del layer.weight_scale
         del layer.weight, layer.input_scale
         layer.weight = nn.Parameter((weight * scale).to(layer.params_dtype), requires_grad=False)
-        DenseLinearMethod().process_weights_after_loading(layer, batch_size_hint)
+        _DENSE.process_weights_after_loading(layer, batch_size_hint)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return DenseLinearMethod().apply(layer, x, bias)
+        return _DENSE.apply(layer, x, bias)
 
 
 def _row_scale_loader(layer: nn.Module):

@@ -23,6 +23,7 @@ from engine.models.layers.quantization.dense import DenseLinearMethod
 from kernels.cpu.quant_linear import INT4_BLOCK, int4_linear, int8_linear, pack_int4, quant_kernels_available
 
 logger = logging.getLogger(__name__)
+_DENSE = DenseLinearMethod()  # what a dequantized layer computes with
 
 
 @dataclass
@@ -93,7 +94,7 @@ class WeightOnlyMethod(QuantMethod):
         else:
             weight = nn.Parameter(qw.dequantize().to(layer.params_dtype), requires_grad=False)
             layer.register_parameter("weight", weight)
-            DenseLinearMethod().process_weights_after_loading(layer, batch_size_hint)
+            _DENSE.process_weights_after_loading(layer, batch_size_hint)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.compute == "int8":
@@ -102,7 +103,7 @@ class WeightOnlyMethod(QuantMethod):
             if layer.input_perm is not None:
                 x = x.index_select(-1, layer.input_perm)
             return int4_linear(x, layer.int4_weight, layer.weight_scales, layer.weight_zeros, layer.group_size, bias)
-        return DenseLinearMethod.apply(self, layer, x, bias)
+        return _DENSE.apply(layer, x, bias)
 
 
 def int4_layout(qw: QuantizedWeight) -> tuple[torch.Tensor | None, int] | tuple[None, None]:
