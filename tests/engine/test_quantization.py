@@ -34,7 +34,7 @@ LOGPROB_TOL = 2e-3
 TIE = 2 * LOGPROB_TOL
 NEW_TOKENS = 12
 PROMPTS = [[1, *range(300, 340)], [1, 7, 99, 4000, 12, 555], [1, *range(300, 330), 9, 9, 9]]  # 1 and 3 share 31 tokens
-ENGINE = dict(**ENGINE, num_kv_blocks=64, max_model_len=256)  # a small KV pool: engines start fast
+ENGINE = dict(dtype="float32", num_kv_blocks=64, max_model_len=256)  # a small KV pool: engines start fast
 PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
 
 
