@@ -12,6 +12,7 @@ from engine.block_table import BlockTable
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.models.config import ModelConfig
+from engine.models.layers.quantization import resolve_quant_config
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import build_model, resolve_model_path
 from engine.model_spec import ModelSpec
@@ -114,7 +115,8 @@ class ModelRunner:
                 f"speculative_config.model: the draft handles {cfg.max_position_embeddings} positions, fewer than "
                 f"max_model_len={self.max_model_len}; lower max_model_len or pick another draft"
             )
-        return build_model(cfg, path, load_format, self.dtype, self.device, self.config.seed, self.config.max_num_seqs)
+        return build_model(cfg, path, load_format, self.dtype, self.device, self.config.seed, self.config.max_num_seqs,
+                           resolve_quant_config(None, cfg.quantization_config))
 
     def _draft_bytes_per_block(self) -> int:
         if self.draft_model is None:

@@ -13,6 +13,7 @@ import torch
 from engine.config import EngineConfig
 from engine.input_processor import resolve_max_model_len
 from engine.models.config import ModelConfig
+from engine.models.layers.quantization import QuantizationConfig, resolve_quant_config
 from engine.models.loader import resolve_model_path
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -25,6 +26,7 @@ class ModelSpec:
     dtype: torch.dtype
     device_type: str  # cpu or cuda
     max_model_len: int
+    quant_config: QuantizationConfig | None = None
 
     @classmethod
     def resolve(cls, config: EngineConfig) -> ModelSpec:
@@ -33,7 +35,11 @@ class ModelSpec:
         device_type = resolve_device_type(config.device)
         check_parallel_layout(config, model_config, device_type)
         dtype = resolve_dtype(config.dtype, model_config, device_type)
-        return cls(model_config, path, dtype, device_type, resolve_max_model_len(config, model_config))
+        quant_config = resolve_quant_config(config.quantization, model_config.quantization_config)
+        if config.load_format == "dummy" and model_config.quantization_config is not None:
+            raise ValueError(f"load_format: 'dummy' draws dense random weights, which cannot stand in for this "
+                             f"{quant_config.name} checkpoint; use load_format='safetensors'")
+        return cls(model_config, path, dtype, device_type, resolve_max_model_len(config, model_config), quant_config)
 
 
 def resolve_device_type(device: str) -> str:

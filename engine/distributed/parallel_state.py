@@ -88,6 +88,14 @@ class GroupCoordinator:
         self.group.allreduce([t], _min_options()).wait()
         return int(t.item())
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise maximum over the group, in place (load-time: online quantization's row maxima)."""
+        if self.group is not None:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX
+            self.group.allreduce([x], opts).wait()
+        return x
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.group is None:
             return x

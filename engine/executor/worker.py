@@ -59,11 +59,11 @@ class Worker:
         load_format = "safetensors" if config.load_format == "auto" else config.load_format
         if groups is None:
             self.model = build_model(spec.model_config, spec.path, load_format, spec.dtype, device, config.seed,
-                                     config.max_num_seqs)
+                                     config.max_num_seqs, spec.quant_config)
         else:
             with parallel_groups(groups):
                 self.model = build_model(spec.model_config, spec.path, load_format, spec.dtype, device,
-                                         config.seed, config.max_num_seqs)
+                                         config.seed, config.max_num_seqs, spec.quant_config)
         self.pp = groups.pp if groups is not None else None
         self.kv_connector = None
         if config.kv_transfer_config is not None:

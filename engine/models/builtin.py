@@ -6,6 +6,8 @@ the same loader as any checkpoint. The tokenizer is the real 32k SentencePiece o
     pagedserve-tiny   ~4M parameters (hidden 64, 2 layers): tests and the default serving config
     pagedserve-56m    ~56M parameters (hidden 512, 8 layers, 8/4 heads): benchmarks; the same shape
                       as the model behind DESIGN.md's "Numbers to beat"
+    pagedserve-600m   ~600M parameters (hidden 1536, 20 layers, 12/4 heads): benchmarks where the decoder's
+                      weights, not the LM head, make most of the bytes a decode step reads (quantization)
 
 The cache folder is $PAGEDSERVE_CACHE (default ~/.cache/pagedserve); a folder's name carries a hash of
 its spec, so a changed spec materializes afresh."""
@@ -45,6 +47,10 @@ BUILTIN_MODELS: dict[str, dict] = {
     "pagedserve-56m": {
         **_ARCH, **_COMMON, "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+    },
+    "pagedserve-600m": {
+        **_ARCH, **_COMMON, "hidden_size": 1536, "intermediate_size": 4096, "num_hidden_layers": 20,
+        "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 128,
     },
 }
 
@@ -92,7 +98,7 @@ _TOKENIZER_CONFIG = {
 _FORMAT_VERSION = 1  # bump when the files written below change
 # Seeds of the random weights, fixed per model so that the files around them (the chat template, the
 # tokenizer's config) can change without changing the weights. A model not listed seeds from its spec.
-_WEIGHT_SEEDS = {"pagedserve-tiny": 0x24A9A3D7, "pagedserve-56m": 0x7BED96D1}
+_WEIGHT_SEEDS = {"pagedserve-tiny": 0x24A9A3D7, "pagedserve-56m": 0x7BED96D1, "pagedserve-600m": 0x600D5EED}
 
 
 def cache_root() -> Path:

@@ -43,6 +43,7 @@ class ModelConfig:
     initializer_range: float
     bos_token_id: int | None
     eos_token_ids: list[int] = field(default_factory=list)
+    quantization_config: dict[str, Any] | None = None  # the checkpoint's, as config.json has it
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -87,6 +88,7 @@ class ModelConfig:
             initializer_range=raw.get("initializer_range", 0.02),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            quantization_config=raw.get("quantization_config"),
         )
 
     @classmethod

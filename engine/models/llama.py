@@ -150,6 +150,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = cfg
+        if quant_config is not None:
+            quant_config.fused_modules = self.fused_modules()
         self.model = LlamaModel(cfg, quant_config)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if self.model.is_last_stage else None
         if cfg.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
@@ -163,6 +165,14 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits on the rank that samples, None on its TP peers."""
         return self.lm_head.compute_logits(hidden)
+
+    @classmethod
+    def fused_modules(cls) -> dict[str, list[str]]:
+        """Our fused layer -> the checkpoint modules in it, in shard order."""
+        fused: dict[str, list[str]] = {}
+        for hf, (ours, shard) in sorted(cls.packed_modules.items(), key=lambda item: item[1]):
+            fused.setdefault(ours, []).append(hf)
+        return fused
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -220,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         for module_name, module in self.named_modules():
             shards = range(module.num_shards) if getattr(module, "num_shards", 1) > 1 else [None]
             for param_name, param in module.named_parameters(recurse=False):
-                if id(param) not in seen:  # a tied LM head shares the embedding's weight
+                if id(param) not in seen and not getattr(param, "optional", False):  # a tied LM head shares the embedding's weight
                     seen.add(id(param))
                     expected.update((f"{module_name}.{param_name}", s) for s in shards)
         return expected

@@ -1,8 +1,9 @@
 """CPU kernels compiled on first use (torch.utils.cpp_extension, into torch's extension cache), one
 build per CPU type.
 
-`load_cpu_kernels()` returns the compiled module, or None when no compiler is available; callers then
-fall back to the pure-torch path."""
+`load_cpu_kernels()` (paged attention) and `load_quant_kernels()` (weight-only quantized linear layers)
+return a compiled module, or None when no compiler is available; callers then fall back to a pure-torch
+path. Two modules, not one: each rebuilds only when its own sources change."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "paged_attention.cpp"]
+_QUANT_SOURCES = [Path(__file__).parent / "quant_linear.cpp"]
 
 
 def _cpu_signature() -> str:
@@ -28,15 +30,24 @@ def _cpu_signature() -> str:
 
 @functools.cache
 def load_cpu_kernels():
+    return _load("pagedserve_cpu_kernels", _SOURCES, "CPU attention kernel")
+
+
+@functools.cache
+def load_quant_kernels():
+    return _load("pagedserve_quant_kernels", _QUANT_SOURCES, "CPU quantized linear kernels")
+
+
+def _load(name: str, sources: list[Path], what: str):
     try:
         from torch.utils.cpp_extension import load
 
         return load(
-            name=f"pagedserve_cpu_kernels_{_cpu_signature()}",
-            sources=[str(s) for s in _SOURCES],
+            name=f"{name}_{_cpu_signature()}",
+            sources=[str(s) for s in sources],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
         )
     except Exception as e:  # no compiler, no ninja, no headers: slower but correct
-        logger.warning("CPU attention kernel unavailable (%s); using the pure-torch path", e)
+        logger.warning("%s unavailable (%s); using the pure-torch path", what, e)
         return None

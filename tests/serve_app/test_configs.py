@@ -105,6 +105,7 @@ def test_http_app_takes_its_keys_from_the_environment(monkeypatch):
     with pytest.raises(ValueError, match="PAGEDSERVE_API_KEYS is unset"):
         build_http_app(ingress)
 
+
 def test_multi_rank_replica_gets_one_bundle_per_rank():
     config = yaml.safe_load((CONFIGS[0].parent / "gpu-llama3-70b-tp4.yaml").read_text())
     args = AppArgs.model_validate(config["applications"][0]["args"])
@@ -118,3 +119,10 @@ def test_multi_rank_replica_gets_one_bundle_per_rank():
     placement = cpu.placement(cpu.engine_config())
     assert placement["placement_group_bundles"] == [{"CPU": 0.01}] * 4 and placement["placement_group_strategy"] == "PACK"
     assert AppArgs.model_validate({}).placement(AppArgs.model_validate({}).engine_config()) == {}
+
+
+def test_engine_quantization_passes_through_to_the_engine():
+    config = yaml.safe_load("args: {model: pagedserve-tiny, engine: {quantization: int8}}")
+    assert AppArgs.model_validate(config["args"]).engine_config().quantization == "int8"
+    with pytest.raises(ValueError, match="quantization"):
+        AppArgs.model_validate({"engine": {"quantization": "nf4"}}).engine_config()

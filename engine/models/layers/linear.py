@@ -54,9 +54,10 @@ class LinearBase(nn.Module):
         self.input_size_per_partition = input_size_per_partition
         self.output_partition_sizes = output_partition_sizes
         self.prefix = prefix
+        self.params_dtype = torch.get_default_dtype()  # the compute dtype (build_model sets the default)
         method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
         self.quant_method = method or DenseLinearMethod()
-        self.quant_method.create_weights(self, input_size_per_partition, output_partition_sizes, torch.get_default_dtype())
+        self.quant_method.create_weights(self, input_size_per_partition, output_partition_sizes, self.params_dtype)
         for param in self.parameters(recurse=False):
             if not hasattr(param, "weight_loader"):  # a quant method may bring its own
                 param.weight_loader = self.weight_loader

@@ -1,0 +1,140 @@
+"""Decode throughput of quantized weights: float32 (the prepacked dense path), bfloat16, int8 and int4
+(online, weight-only), side by side with llama.cpp's f32, q8_0 and q4_0 on the same weights.
+
+    python -m benchmarks.quantized [--models pagedserve-56m pagedserve-600m] [--batches 1 16 64]
+                                   [--decode-tokens 64] [--threads 2] [--rounds 2] [--no-llamacpp]
+
+Run it from the repository root with `-m` (so that this checkout's engine is imported). Each batch size
+runs B requests of --prompt-len random tokens, greedy, ignore_eos, T + 1 output tokens; decode tokens/s =
+B * T / the time from the step where every request has its first token to the last step. Each system
+runs --rounds times, interleaved with the others, and its best round counts. llama.cpp:
+`llama-batched-bench -npp P -ntg T -npl B` on GGUF files converted from the same checkpoint, quantized with
+`llama-quantize --leave-output-tensor` so that its LM head stays f32 as ours does (S_TG: its decode rate).
+llama.cpp is built by benchmarks/peers/llamacpp.py (the serving-quality branch's helper).
+
+Beside the rates it prints the bytes of weights a decode step reads (all weights but the embedding) and
+the speed-up those bytes allow over float32: with an unquantized LM head that ceiling is low on a small
+model (the 56M model's 32k x 512 head is two fifths of its float32 bytes)."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import subprocess
+import time
+
+from engine import LLM, RequestOutputKind, SamplingParams
+from engine.models.builtin import materialize_builtin
+from engine.models.loader import weight_bytes
+
+OURS = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
+        "int8": dict(dtype="float32", quantization="int8"), "int4": dict(dtype="float32", quantization="int4")}
+LLAMACPP = {"f32": None, "q8_0": "Q8_0", "q4_0": "Q4_0"}
+
+
+def prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, 32000) for _ in range(length - 1)] for _ in range(batch)]
+
+
+def decode_rate(llm: LLM, batch: int, prompt_len: int, tokens: int) -> float:
+    """Steps the engine by hand: the clock starts once every request has its first token (prefill done)."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    for prompt in prompts(batch, prompt_len):
+        engine.add_prepared(engine.prepare_request(prompt, params))
+    started: set[str] = set()
+    while len(started) < batch:
+        started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return batch * tokens / (time.perf_counter() - start)
+
+
+def read_bytes(llm: LLM) -> int:
+    """Weight bytes one decode step reads: everything but the embedding table (a lookup)."""
+    model = llm.llm_engine.model_runner.model
+    embed = model.model.embed_tokens.weight
+    return weight_bytes(model) - (0 if model.config.tie_word_embeddings else embed.numel() * embed.element_size())
+
+
+def bench_ours(model: str, args) -> tuple[dict, dict]:
+    blocks = max(args.batches) * -(-(args.prompt_len + args.decode_tokens + 2) // 16) + 8
+    engines = {name: LLM(model, num_kv_blocks=blocks, max_num_seqs=max(args.batches), max_model_len=16 * (blocks - 8),
+                         num_threads=args.threads, **kwargs) for name, kwargs in OURS.items() if name in args.systems}
+    for llm in engines.values():  # warm-up: kernels built, first allocations made
+        decode_rate(llm, 1, args.prompt_len, 2)
+    rates: dict[tuple[str, int], float] = {}
+    for batch in args.batches:
+        for _ in range(args.rounds):
+            for name, llm in engines.items():  # interleaved: load changes hit every system alike
+                rate = decode_rate(llm, batch, args.prompt_len, args.decode_tokens)
+                rates[name, batch] = max(rates.get((name, batch), 0.0), rate)
+    return rates, {name: read_bytes(llm) for name, llm in engines.items()}
+
+
+def bench_llamacpp(model: str, args) -> dict:
+    try:
+        from benchmarks.peers import llamacpp
+    except ImportError:
+        print("llama.cpp: benchmarks/peers/llamacpp.py is not in this checkout (it comes with the serving-quality "
+              "branch); skipping its columns")
+        return {}
+    built = llamacpp.build()
+    path = materialize_builtin(model)
+    folder = llamacpp.cache_dir() / "models"
+    f32 = llamacpp.convert_to_gguf(path, folder / f"{path.name}-f32.gguf", "f32", llama=built)
+    rates = {}
+    for _ in range(args.rounds):
+        for name, qtype in LLAMACPP.items():
+            gguf = f32 if qtype is None else folder / f"{path.name}-{name}-keep-output.gguf"
+            if qtype is not None and not gguf.is_file():
+                llamacpp.quantize(f32, gguf, qtype, leave_output_tensor=True, llama=built)
+            ctx = max(args.batches) * (args.prompt_len + args.decode_tokens) + 64
+            cmd = [str(built.batched_bench), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512",
+                   "-npp", str(args.prompt_len), "-ntg", str(args.decode_tokens),
+                   "-npl", ",".join(map(str, args.batches)), "-t", str(args.threads)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            for row in re.finditer(r"^\|\s*\d+\s*\|\s*\d+\s*\|\s*(\d+)\s*\|(?:[^|]*\|){4}\s*([\d.]+)\s*\|", out, re.M):
+                key = (name, int(row.group(1)))
+                rates[key] = max(rates.get(key, 0.0), float(row.group(2)))
+    return rates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["pagedserve-56m", "pagedserve-600m"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    parser.add_argument("--systems", nargs="+", default=list(OURS), choices=list(OURS))
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--no-llamacpp", action="store_true")
+    args = parser.parse_args()
+
+    for model in args.models:
+        ours, nbytes = bench_ours(model, args)
+        peer = {} if args.no_llamacpp else bench_llamacpp(model, args)
+        print(f"\n## {model}: decode tokens/s ({args.prompt_len}-token prompts, {args.decode_tokens} decoded, "
+              f"{args.threads} threads, best of {args.rounds})\n")
+        names = [n for n in OURS if n in args.systems] + [f"llama.cpp {n}" for n in LLAMACPP if peer]
+        ratios = [("int8/f32", "int8", "float32"), ("int4/f32", "int4", "float32"),
+                  ("int8/q8_0", "int8", "llama.cpp q8_0"), ("int4/q4_0", "int4", "llama.cpp q4_0")]
+        print("| batch | " + " | ".join(names) + " | " + " | ".join(r[0] for r in ratios) + " |")
+        print("|---:|" + "---:|" * (len(names) + len(ratios)))
+        for batch in args.batches:
+            row = {n: ours.get((n, batch)) for n in OURS} | {f"llama.cpp {n}": peer.get((n, batch)) for n in LLAMACPP}
+            cells = [f"{row[n]:.1f}" if row.get(n) else "-" for n in names]
+            cells += [f"{row[a] / row[b]:.2f}x" if row.get(a) and row.get(b) else "-" for _, a, b in ratios]
+            print(f"| {batch} | " + " | ".join(cells) + " |")
+        if "float32" in nbytes:
+            print("\nweight bytes read per decode step, and the speed-up over float32 those bytes allow:")
+            for name, n in nbytes.items():
+                print(f"  {name:9s} {n / 2**20:9.1f} MiB   ceiling {nbytes['float32'] / n:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

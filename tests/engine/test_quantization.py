@@ -1,0 +1,224 @@
+"""Quantized weights: GPTQ, AWQ, compressed-tensors and FP8 checkpoints written independently of our
+loader (tests/engine/quantized_checkpoints.py), and online int8 / int4, each against Hugging Face on a
+dense model holding the checkpoint's own dequantized weights (tests/parity.py's tie rule).
+
+Stated tolerance: our logprobs of the chosen tokens are within LOGPROB_TOL of HF's on the dequantized
+oracle (float32; the kernels sum in another order, nothing else differs), so a token may differ only where
+HF's top-2 gap is below TIE = 2 * LOGPROB_TOL (both sides may move by LOGPROB_TOL)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.models.layers.quantization import resolve_quant_config
+from engine.models.layers.quantization.awq import unpack_awq
+from engine.models.layers.quantization.online import int4_group_size, quantize_int4, quantize_int8
+from engine.models.layers.quantization.weight_only import unpack_int32
+from kernels.cpu.quant_linear import dequantize_int4, dequantize_int8
+from tests.engine.quantized_checkpoints import (
+    awq_pack,
+    gptq_pack_qweight,
+    gptq_pack_qzeros,
+    write_awq,
+    write_compressed_tensors,
+    write_fp8,
+    write_gptq,
+)
+from tests.parity import assert_tokens_match, hf_greedy
+
+LOGPROB_TOL = 2e-3
+TIE = 2 * LOGPROB_TOL
+NEW_TOKENS = 12
+PROMPTS = [[1, *range(300, 340)], [1, 7, 99, 4000, 12, 555], [1, *range(300, 330), 9, 9, 9]]  # 1 and 3 share 31 tokens
+ENGINE = dict(dtype="float32", num_kv_blocks=64, max_model_len=256)  # a small KV pool: engines start fast
+PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+
+
+def _check_parity(llm: LLM, oracle: str, what: str) -> None:
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        tokens, logprobs = hf_greedy(oracle, prompt, NEW_TOKENS)
+        ours = out.outputs[0]
+        tie = assert_tokens_match(ours.token_ids, tokens, logprobs, TIE, what)
+        for i, (token, lp) in enumerate(zip(ours.token_ids[:tie], ours.logprobs)):
+            assert abs(lp[token].logprob - float(logprobs[i][token])) < LOGPROB_TOL, (what, i)
+
+
+def _computes(llm: LLM) -> set[str]:
+    model = llm.llm_engine.model_runner.model
+    return {getattr(m, "compute", None) for m in model.modules() if hasattr(m, "quant_method")} - {None}
+
+
+@pytest.fixture(scope="module")
+def quantized(hf_checkpoint, tmp_path_factory):
+    """(format case) -> (checkpoint, oracle), written once per module."""
+    cache = {}
+
+    def get(case: str):
+        if case not in cache:
+            arch, writer, kwargs, _ = CASES[case]
+            cache[case] = writer(hf_checkpoint(arch), tmp_path_factory.mktemp(case) / "ckpt", **kwargs)
+        return tuple(map(str, cache[case]))
+
+    return get
+
+
+# (arch, writer, kwargs, the compute forms the layers must end up in)
+CASES = {
+    "gptq4_sym_v1": ("llama", write_gptq, dict(bits=4, group_size=32, sym=True, desc_act=False, v1=True), {"int4"}),
+    # act-order, asymmetric, v2; Qwen2's qkv bias; down_proj's 160 inputs in groups of 32 -> int4 after sorting
+    "gptq4_actorder_v2": ("qwen2", write_gptq, dict(bits=4, group_size=32, sym=False, desc_act=True, v1=False), {"int4"}),
+    "gptq8_channel": ("mistral", write_gptq, dict(bits=8, group_size=-1, sym=True, desc_act=False, v1=True), {"int8"}),
+    "gptq8_grouped": ("qwen3", write_gptq, dict(bits=8, group_size=32, sym=True, desc_act=False, v1=True), {"dense"}),
+    "awq": ("llama", write_awq, dict(group_size=32), {"int4"}),
+    "ct_w4a16_asym_group": ("qwen3", write_compressed_tensors, dict(bits=4, strategy="group", symmetric=False,
+                                                                     group_size=32), {"int4"}),
+    "ct_w8a16_channel": ("llama", write_compressed_tensors, dict(bits=8, strategy="channel", symmetric=True), {"int8"}),
+    "fp8_block": ("llama", write_fp8, dict(scales="block"), {None}),
+    "fp8_tensor": ("qwen2", write_fp8, dict(scales="tensor"), {None}),
+    "fp8_channel": ("mistral", write_fp8, dict(scales="channel"), {None}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_checkpoint_formats_match_their_dequantized_weights(case, quantized):
+    path, oracle = quantized(case)
+    computes = CASES[case][3]
+    fmt = json.loads(open(f"{path}/config.json").read())["quantization_config"]["quant_method"]
+    llm = LLM(path, **ENGINE, quantization=fmt if case.endswith("v1") else None)
+    assert _computes(llm) == (computes - {None})  # fp8 layers compute dense (no compute attribute)
+    _check_parity(llm, oracle, case)
+    if case == "gptq4_sym_v1":  # prefix caching on quantized weights: a cached prompt decodes the same
+        first, again = (llm.generate(PROMPTS[2:], PARAMS, use_tqdm=False)[0] for _ in range(2))
+        assert again.num_cached_tokens >= 32 and again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def _oracle_online(dense, out, scheme: str):
+    """Our online scheme applied by its definition (quantize_int8/int4 on whole tensors) -> dense oracle."""
+    from tests.engine.quantized_checkpoints import _is_linear, _write
+    from safetensors.torch import load_file
+
+    oracle = {}
+    for name, w in load_file(str(dense / "model.safetensors")).items():
+        if _is_linear(name):
+            qw = quantize_int8(w) if scheme == "int8" else quantize_int4(w, int4_group_size(w.shape[1]))
+            w = qw.dequantize()
+        oracle[name] = w
+    return _write(dense, out, oracle, None)
+
+
+@pytest.mark.parametrize("arch,scheme", [("llama", "int8"), ("qwen2", "int8"), ("qwen3", "int4")])
+def test_online_quantization_matches_its_dequantized_weights(arch, scheme, hf_checkpoint, tmp_path):
+    dense = hf_checkpoint(arch)
+    oracle = str(_oracle_online(dense, tmp_path / "oracle", scheme))
+    llm = LLM(str(dense), **ENGINE, quantization=scheme)
+    assert _computes(llm) == {scheme}
+    model = llm.llm_engine.model_runner.model
+    assert model.lm_head.quant_method.__class__.__name__ == "DenseLinearMethod"
+    _check_parity(llm, oracle, f"{arch} {scheme}")
+
+
+def test_online_quantization_error_within_the_scheme_bound(hf_checkpoint):
+    """Every decoder projection of the built model, widened back from its kernel form, is within half a
+    quantization step of the checkpoint's weight (int8: per row; int4: per group)."""
+    from safetensors.torch import load_file
+
+    dense = hf_checkpoint("qwen3")
+    weights = load_file(str(dense / "model.safetensors"))
+    for scheme in ("int8", "int4"):
+        llm = LLM(str(dense), **ENGINE, quantization=scheme)
+        layer = llm.llm_engine.model_runner.model.model.layers[0]
+        for fused, names in (("self_attn.qkv_proj", ["q_proj", "k_proj", "v_proj"]), ("mlp.down_proj", ["down_proj"])):
+            module = layer.get_submodule(fused)
+            parent = fused.rsplit(".", 1)[0]
+            w = torch.cat([weights[f"model.layers.0.{parent}.{n}.weight"] for n in names])
+            if scheme == "int8":
+                got, step = dequantize_int8(module.int8_weight, module.weight_scales), module.weight_scales[:, None]
+                assert torch.equal(step[:, 0], w.abs().amax(1) / 127)
+            else:
+                g = module.group_size
+                got = dequantize_int4(module.int4_weight, module.weight_scales, module.weight_zeros, g)
+                step = module.weight_scales.repeat_interleave(g, 1)
+                assert g == int4_group_size(w.shape[1])
+            assert bool(((got - w).abs() <= step / 2 + 1e-6).all()), (scheme, fused)
+
+
+def test_packing_hand_worked_vectors():
+    """The reference packers (and our unpackers) on vectors worked out by hand."""
+    word = lambda t: t.flatten()[0].item() & 0xFFFFFFFF  # noqa: E731 (the reference packers take 32 rows/columns)
+    column = torch.cat([torch.arange(1, 9), torch.zeros(24, dtype=torch.long)]).view(32, 1)  # q[k, n=0] = 1..8, 0...
+    assert word(gptq_pack_qweight(column, 4)) == 0x87654321  # value k at bits 4k
+    assert unpack_int32(torch.tensor([[0x87654321 - 2**32]], dtype=torch.int32), 4, 0).flatten().tolist() == list(range(1, 9))
+    zeros = torch.full((1, 32), 8)  # symmetric 4-bit: z = 8, stored by v1 as 7
+    assert word(gptq_pack_qzeros(zeros - 1, 4)) == 0x77777777
+    column8 = torch.cat([torch.tensor([255, 1, 128, 0]), torch.zeros(28, dtype=torch.long)]).view(32, 1)
+    assert word(gptq_pack_qweight(column8, 8)) == 0x008001FF
+    row = torch.arange(1, 9).view(1, 8)  # q[k=0, n=0..7] = 1..8: nibbles hold columns 0, 2, 4, 6, 1, 3, 5, 7
+    assert word(awq_pack(row)) == 0x86427531
+    assert unpack_awq(torch.tensor([[0x86427531 - 2**32]], dtype=torch.int32)).flatten().tolist() == list(range(1, 9))
+
+
+@pytest.mark.parametrize("case", ["gptq4_actorder_v2", "online_int8"])
+def test_tensor_parallel_equals_one_rank(case, quantized, hf_checkpoint):
+    """TP=2 gives the one-rank engine's tokens and logprobs: act-order GPTQ (g_idx sliced per rank against
+    replicated scales; down_proj's groups straddle the ranks, so it is dequantized there) and online int8
+    (row maxima all-reduced across the ranks of row-parallel layers)."""
+    if case == "online_int8":
+        model, quantization = str(hf_checkpoint("qwen2")), "int8"
+    else:
+        model, quantization = quantized(case)[0], None
+    one = LLM(model, **ENGINE, quantization=quantization).generate(PROMPTS, PARAMS, use_tqdm=False)
+    llm = LLM(model, **ENGINE, quantization=quantization, tensor_parallel_size=2)
+    try:
+        two = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for a, b in zip(one, two):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for token, x, y in zip(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x[token].logprob == pytest.approx(y[token].logprob, abs=1e-4)
+
+
+BAD_CONFIGS = [
+    ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes' is not supported"),
+    ({"quant_method": "gptq", "bits": 3}, "bits=3 \\(gptq\\)"),
+    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format='marlin'"),
+    ({"quant_method": "gptq", "bits": 4, "dynamic": {"-:.*": {}}}, "quantization_config.dynamic"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version='gemv'"),
+    ({"quant_method": "awq", "bits": 4, "zero_point": False}, "zero_point=false"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt='e5m2'"),
+    ({"quant_method": "fp8", "kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}},
+     "format='float-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}}, "quantizes activations"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}}}}, "strategy='tensor'"),
+]
+
+
+@pytest.mark.parametrize("raw,message", BAD_CONFIGS)
+def test_unsupported_formats_and_options_fail_naming_them(raw, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_quant_config(None, raw)
+
+
+def test_engine_quantization_is_checked_against_the_checkpoint(hf_checkpoint, quantized):
+    dense = str(hf_checkpoint("llama"))
+    with pytest.raises(ValueError, match="quantization: 'gptq' was asked for, but the checkpoint is not quantized"):
+        LLM(dense, quantization="gptq")
+    gptq = quantized("gptq4_sym_v1")[0]
+    with pytest.raises(ValueError, match="quantization: 'awq' was asked for, but the checkpoint is in 'gptq'"):
+        LLM(gptq, quantization="awq")
+    with pytest.raises(ValueError, match="quantization: 'int8' quantizes a dense checkpoint"):
+        LLM(gptq, quantization="int8")
+    with pytest.raises(ValueError, match="load_format: 'dummy'"):
+        LLM(gptq, load_format="dummy")
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(dense, quantization="nf4")
