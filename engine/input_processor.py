@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
+from engine.lora.request import LoRARequest
 from engine.models.config import ModelConfig
 from engine.models.loader import resolve_model_path
 from engine.sampling_params import SamplingParams
@@ -28,6 +29,7 @@ class PreparedRequest:
     arrival_time: float
     priority: int
     cache_salt: str | None
+    lora_request: LoRARequest | None = None
 
 
 def resolve_eos_token_ids(model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
@@ -108,6 +110,7 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> PreparedRequest:
         """Validate and tokenize a request without touching engine state, so that any thread may call
         it. Raises ValueError naming the bad parameter."""
@@ -127,6 +130,11 @@ class InputProcessor:
             raise ValueError(f"stop_token_ids/logit_bias: token ids {bad} are outside the vocabulary [0, {vocab})")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n: {params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(f"lora_request: expected a LoRARequest, got {type(lora_request).__name__}")
+            if not self.config.enable_lora:
+                raise ValueError("lora_request: this engine was started without enable_lora=True")
         return PreparedRequest(
             request_id=request_id if request_id is not None else f"req-{next(self._request_counter)}",
             prompt=prompt if isinstance(prompt, str) else None,
@@ -135,4 +143,5 @@ class InputProcessor:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             priority=priority,
             cache_salt=cache_salt,
+            lora_request=lora_request,
         )

@@ -131,8 +131,12 @@ class ModelRunner:
         """Draft tokens (speculative decoding), then the step's ModelInput and what to sample from it."""
         self.release(so.released_request_ids)
         draft_probs = self._propose(so, kv) if self.ngram is not None or self.drafter is not None else {}
-        # Decodes first: backends batch the leading single-token sequences together.
-        order = sorted(range(len(so.requests)), key=lambda j: so.num_scheduled_tokens[j] != 1)
+        # Decodes first: backends batch the leading single-token sequences together. With LoRA, each
+        # adapter's sequences next to each other, so that its tokens form few runs (engine/lora/layers.py).
+        if self.config.enable_lora:
+            order = sorted(range(len(so.requests)), key=lambda j: (so.num_scheduled_tokens[j] != 1, so.requests[j].lora_slot))
+        else:
+            order = sorted(range(len(so.requests)), key=lambda j: so.num_scheduled_tokens[j] != 1)
         input_ids: list[int] = []
         starts, q_lens, rows, widths = [], [], [], []
         samplers: list[int] = []  # index in so.requests of each request that samples, in batch order
@@ -170,8 +174,9 @@ class ModelRunner:
         for _, _, count, row in prompt_rows:
             logit_rows.extend(range(row, row + count))
 
+        lora_slots = [so.requests[j].lora_slot for j in order] if self.config.enable_lora else None
         inp = ModelInput.build(input_ids, starts, q_lens, self.block_table.table[rows, : max(widths)], self.block_size,
-                               logit_rows)
+                               logit_rows, lora_slots)
         return StepPlan(so, inp, samplers, num_sampled, prompt_rows, draft_probs)
 
     @torch.inference_mode()

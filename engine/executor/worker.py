@@ -20,6 +20,8 @@ from engine.config import EngineConfig
 from engine.distributed import ParallelGroups, ParallelLayout, init_parallel_groups, parallel_groups
 from engine.distributed.message_queue import MessageQueueReader
 from engine.executor.model_input import ModelInput
+from engine.lora.layers import LoRASlots
+from engine.lora.peft import LoRAAdapter
 from engine.model_spec import ModelSpec
 from engine.models.loader import build_model, weight_bytes
 from kernels.attention import get_attention_backend
@@ -63,6 +65,8 @@ class Worker:
             with parallel_groups(groups):
                 self.model = build_model(spec.model_config, spec.path, load_format, spec.dtype, device,
                                          config.seed, config.max_num_seqs)
+        # Adapter slots: the model's projections wrapped, loaded through Executor.collective_rpc.
+        self.lora = LoRASlots(self.model, config.max_loras, spec.dtype, device) if config.enable_lora else None
         self.pp = groups.pp if groups is not None else None
         self.attn_backend = None
         self._sends: list = []  # in-flight sends to the next stage, with the tensors they read
@@ -108,6 +112,11 @@ class Worker:
             attn.kv_cache = torch.zeros(self.attn_backend.kv_cache_shape(), dtype=self.spec.dtype, device=self.device)
 
     @torch.inference_mode()
+    def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Load this rank's shard of an adapter into a slot (every rank runs it, through collective_rpc)."""
+        self.lora.load(slot, adapter)
+
+    @torch.inference_mode()
     def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
         """Run this rank's part of the step; the logits of `inp.logit_rows` on the driver, else None."""
         for work in self._sends:  # the previous step's hidden states must have left before new ones do
@@ -115,6 +124,8 @@ class Worker:
         self._sends = []
         dev = self.device
         self.attn_backend.plan(inp.attention_metadata(dev))
+        if self.lora is not None:
+            self.lora.set_step(inp.lora_slots)
         input_ids = torch.from_numpy(inp.input_ids).to(dev)
         positions = torch.from_numpy(inp.positions).to(dev)
         intermediate = None
