@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 
@@ -17,3 +18,4 @@ class EngineRequest:
     priority: int = 0
     cache_salt: str | None = None
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent/tracestate carrier
+    lora_request: LoRARequest | None = None  # the adapter, from the ingress's registry; its digest is in block_hashes

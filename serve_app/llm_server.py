@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator
 
 from opentelemetry import trace
@@ -47,6 +48,7 @@ class LLMServer:
         self.llm = AsyncLLM(EngineConfig(**engine_config))
         self.stream_messages_per_s = stream_messages_per_s
         self.metrics = EngineMetrics(served_model_name, replica_id)
+        self.lora_request_counts: Counter[str] = Counter()  # requests per LoRA adapter since start
         self._metrics_task = asyncio.get_event_loop().create_task(self._export_metrics())
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
@@ -57,6 +59,9 @@ class LLMServer:
         tokens, many streams get theirs a few steps at a time. Cancellation (the caller went away)
         aborts the request and frees its KV blocks."""
         request_trace = _RequestTrace(self, request) if self.tracer is not None else None
+        if request.lora_request is not None:
+            self.lora_request_counts[request.lora_request.lora_name] += 1
+            self.metrics.count_lora_request(request.lora_request.lora_name)
         try:
             async for output in self.llm.generate(
                 request.prompt_token_ids,
@@ -64,6 +69,7 @@ class LLMServer:
                 request_id=request.request_id,
                 priority=request.priority,
                 cache_salt=request.cache_salt,
+                lora_request=request.lora_request,
             ):
                 self.metrics.observe(output)
                 if request_trace is not None:
@@ -102,10 +108,16 @@ class LLMServer:
         return {"kv_cache_usage": s.kv_cache_usage, "num_waiting": float(s.num_waiting), "num_running": float(s.num_running)}
 
     def record_routing_stats(self) -> dict:
-        """Load, and the prefix cache's block summary (packed uint64 short hashes) for the prefix router."""
+        """Load, the prefix cache's block summary (packed uint64 short hashes) and the LoRA adapters the
+        engine holds (host memory or device slots), for the prefix router."""
         s = self.llm.stats
         return {"kv_cache_usage": s.kv_cache_usage, "num_waiting": s.num_waiting, "num_running": s.num_running,
-                "cached_blocks": self.llm.cache_summary, "reported_at": time.time()}
+                "cached_blocks": self.llm.cache_summary, "lora_adapters": list(s.loaded_loras),
+                "reported_at": time.time()}
+
+    def lora_requests(self) -> dict[str, int]:
+        """Requests this replica served per LoRA adapter since it started."""
+        return dict(self.lora_request_counts)
 
     async def _export_metrics(self) -> None:
         while True:
@@ -130,10 +142,12 @@ class _RequestTrace:
     def __init__(self, server: LLMServer, request: EngineRequest) -> None:
         params = request.sampling_params
         self.server, self.request = server, request
+        lora = request.lora_request
         self.span = server.tracer.start_span(
             "llm_request", context=tracing.extract(request.trace_context), kind=SpanKind.SERVER,
             attributes={
-                "gen_ai.request.model": server.model_name, "gen_ai.request.id": request.request_id,
+                "gen_ai.request.model": lora.lora_name if lora is not None else server.model_name,
+                "pagedserve.lora.name": lora.lora_name if lora is not None else "", "gen_ai.request.id": request.request_id,
                 "gen_ai.response.id": request.request_id, "gen_ai.request.max_tokens": params.max_tokens or 0,
                 "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
                 "gen_ai.request.n": params.n, "gen_ai.usage.input_tokens": len(request.prompt_token_ids),

@@ -40,6 +40,7 @@ class PrefixRouter(RequestRouter):
             kv_cache_usage=float(stats.get("kv_cache_usage", 0.0)),
             cached_blocks=blocks,
             stats_age_s=now - stats["reported_at"] if "reported_at" in stats else float("inf"),
+            adapters=frozenset(stats["lora_adapters"]) if "lora_adapters" in stats else None,
         )
 
     async def choose_replicas(
@@ -51,9 +52,10 @@ class PrefixRouter(RequestRouter):
             return []
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
         hashes = request.block_hashes if isinstance(request, EngineRequest) else []
+        adapter = _adapter(request)
         now = time.time()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        decision = self.policy.route(hashes, [self._load(r, now) for r in candidate_replicas], now)
+        decision = self.policy.route(hashes, [self._load(r, now) for r in candidate_replicas], now, adapter)
         self.last_decision = decision
         tracer = tracing.tracer()
         if tracer is not None and isinstance(request, EngineRequest):
@@ -61,13 +63,14 @@ class PrefixRouter(RequestRouter):
                 "pagedserve.route.policy": "prefix", "pagedserve.route.replica": decision.ranked[0],
                 "pagedserve.route.matched_blocks": decision.matched_blocks, "pagedserve.route.reason": decision.reason,
                 "pagedserve.route.source": decision.source, "pagedserve.route.prompt_blocks": len(hashes),
+                "pagedserve.route.lora": adapter or "",
             }).end()
         return [[by_id[rid]] for rid in decision.ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         request = pending_request.args[0] if pending_request.args else None
         hashes = request.block_hashes if isinstance(request, EngineRequest) else []
-        self.policy.record(hashes, replica_id.unique_id, time.time())
+        self.policy.record(hashes, replica_id.unique_id, time.time(), _adapter(request))
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self.policy.complete(replica_id.unique_id)
@@ -76,3 +79,9 @@ class PrefixRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self.policy.forget_replica(replica_id.unique_id)
         self._summaries.pop(replica_id.unique_id, None)
+
+
+def _adapter(request) -> str | None:
+    """The LoRA adapter a request names (the ingress also sets it as Serve's multiplexed_model_id)."""
+    lora = request.lora_request if isinstance(request, EngineRequest) else None
+    return lora.lora_name if lora is not None else None
