@@ -50,12 +50,16 @@ def _request(adapters, name: str, int_id: int | None = None) -> LoRARequest:
     return LoRARequest(name, int_id or list(ADAPTERS).index(name) + 1, str(adapters[name][0]))
 
 
-def _check(out, prompt, oracle, what: str) -> None:
+def _check_tokens(token_ids: list[int], token_logprobs: list[dict], prompt, oracle, what: str) -> None:
+    """Tokens equal the oracle's (ties excepted); their logprobs within 1e-4, up to a tie."""
     tokens, logprobs = hf_greedy(str(oracle), prompt, NEW_TOKENS)
-    completion = out.outputs[0]
-    tie = assert_tokens_match(completion.token_ids, tokens, logprobs, what=what)
-    for i, (token, ours) in enumerate(zip(completion.token_ids[:tie], completion.logprobs)):
+    tie = assert_tokens_match(token_ids, tokens, logprobs, what=what)
+    for i, (token, ours) in enumerate(zip(token_ids[:tie], token_logprobs)):
         assert ours[token].logprob == pytest.approx(logprobs[i][token].item(), abs=1e-4), f"{what}: token {i}"
+
+
+def _check(out, prompt, oracle, what: str) -> None:
+    _check_tokens(out.outputs[0].token_ids, out.outputs[0].logprobs, prompt, oracle, what)
 
 
 def _check_all(outs, prompts, names, base, adapters, what: str) -> None:
@@ -181,6 +185,42 @@ def test_tensor_parallel_equals_one_rank(lora_setup):
         for ours, theirs in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs):
             for token, lp in theirs.items():
                 assert ours[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
+
+
+def test_async_llm_takes_lora_requests(lora_setup, tmp_path):
+    """AsyncLLM.generate(lora_request=...): concurrent streams of an adapter and the base model; a bad adapter
+    fails its own request (ValueError) and the engine goes on."""
+    import asyncio
+
+    from engine import AsyncLLM, EngineConfig
+
+    base, adapters = lora_setup
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "use_dora": true}')
+
+    async def collect(llm, prompt, lora):
+        tokens, logprobs = [], []
+        async for out in llm.generate(prompt, GREEDY, lora_request=lora):
+            tokens += out.outputs[0].token_ids
+            logprobs += out.outputs[0].logprobs
+        return tokens, logprobs
+
+    async def main():
+        llm = AsyncLLM(EngineConfig(model=str(base), max_loras=2, **ENGINE))
+        try:
+            results = await asyncio.gather(*(collect(llm, p, lora) for p, lora in
+                                             zip(PROMPTS[:2], [_request(adapters, "attention"), None])))
+            with pytest.raises(ValueError, match="use_dora"):
+                await collect(llm, PROMPTS[0], LoRARequest("bad", 99, str(bad)))
+            results.append(await collect(llm, PROMPTS[2], _request(adapters, "sparse")))
+            return results
+        finally:
+            llm.shutdown()
+
+    oracles = [adapters["attention"][1], base, adapters["sparse"][1]]
+    for (tokens, logprobs), prompt, oracle in zip(asyncio.run(main()), PROMPTS[:3], oracles):
+        _check_tokens(tokens, logprobs, prompt, oracle, "AsyncLLM")
 
 
 def test_slot_manager_pins_evicts_lru_and_drains():
