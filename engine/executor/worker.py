@@ -66,7 +66,8 @@ class Worker:
                 self.model = build_model(spec.model_config, spec.path, load_format, spec.dtype, device,
                                          config.seed, config.max_num_seqs)
         # Adapter slots: the model's projections wrapped, loaded through Executor.collective_rpc.
-        self.lora = LoRASlots(self.model, config.max_loras, spec.dtype, device) if config.enable_lora else None
+        self.lora = LoRASlots(self.model, config.max_loras, config.max_lora_rank, spec.dtype, device) \
+            if config.enable_lora else None
         self.pp = groups.pp if groups is not None else None
         self.attn_backend = None
         self._sends: list = []  # in-flight sends to the next stage, with the tensors they read

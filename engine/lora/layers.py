@@ -1,21 +1,24 @@
 """The LoRA wrapper of the parallel linear layers, and one rank's adapter slots.
 
 `LinearWithLoRA` wraps a ColumnParallelLinear (incl. the fused qkv and gate_up) or a RowParallelLinear:
-y = base(x), plus for each run of tokens of one slot, shrink then expand: y[run] += (x[run] @ A) @ B.
-A slot's A is [in, n * r] for the n sub-projections the adapter targets (q, k, v stacked), B [n * r, out]
-block-diagonal, each sub-projection's block written at its columns of the fused output, with the scale
-folded in. Under tensor parallelism a slot is sharded like the base weight: column layers keep A whole
-and take their rows of each B (KV heads replicated as the base does); row layers take their columns of A
-and keep B whole, and since (sum_k x_k A_k) B = sum_k x_k A_k B, each rank adds its partial delta to its
-partial base output and the layer's one all-reduce sums both.
+y = base(x) + per token of an adapter, shrink then expand: (x @ A) @ B. Each wrapper holds every slot's
+weights stacked, A [max_loras, in, R] and B [max_loras, R, out] with R = sub-projections x max_lora_rank:
+a slot's adapter fills the first n * r columns of A for the n sub-projections it targets (q, k, v
+stacked) and the matching rows of B, block-diagonally, each sub-projection's block at its columns of the
+fused output, with the scale folded in; the rest stays zero. Under tensor parallelism a slot is sharded
+like the base weight: column layers keep A whole and take their rows of each B (KV heads replicated as
+the base does); row layers take their columns of A and keep B whole, and since (sum_k x_k A_k) B =
+sum_k x_k A_k B, each rank adds its partial delta to its partial base output and the layer's one
+all-reduce sums both.
 
 Tokens of the base model (slot -1) cost nothing. The driver orders each step's batch by slot (decodes
-first, then prefills), so a step has at most two runs per adapter in use: a few small matmuls per layer
-instead of a per-token gather of A and B. CPU and CUDA alike (plain torch ops)."""
+first, then prefills), so an adapter's tokens form few runs. Long runs (prefill chunks) take two matmuls
+each on the slot's exact-rank weights. Short runs (decodes, one per adapter in the batch) are gathered
+into one [max_loras, width] grid and take two batched matmuls for all adapters together: on CPU a small
+matmul costs its fixed overhead more than its FLOPs, so a decode step with 8 adapters runs ~5 ops per
+layer instead of 16 (vLLM's CPU path gathers A and B per token instead, [tokens, in, r] per layer)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,29 +34,55 @@ FUSED_MODULES = {
     "gate_up_proj": ["gate_proj", "up_proj"],
     "down_proj": ["down_proj"],
 }
+LONG_RUN = 32  # runs of more tokens than this take their own matmuls; shorter ones are batched together
+MIN_GROUPED_RUNS = 3  # fewer short runs than this are cheaper one by one
 
 
-@dataclass
 class LoRABatch:
-    """This step's runs of tokens with an adapter: (slot, first row, end row), shared by every wrapper."""
+    """This step's tokens with an adapter, shared by every wrapper: `runs` (slot, first row, end row) that
+    take their own matmuls, and the grid of the others: `grid_rows` [max_loras * width] token rows by slot
+    (padding repeats a real row), `grid_mask` [max_loras, width, 1] (0 on padding)."""
 
-    runs: list[tuple[int, int, int]]
+    def __init__(self) -> None:
+        self.runs: list[tuple[int, int, int]] = []
+        self.grid_rows: torch.Tensor | None = None
+        self.grid_mask: torch.Tensor | None = None
+        self.width = 0
 
-    @classmethod
-    def from_slots(cls, slots: np.ndarray | None) -> LoRABatch:
+    @property
+    def empty(self) -> bool:
+        return not self.runs and self.grid_rows is None
+
+    def update(self, slots: np.ndarray | None, max_loras: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.runs, self.grid_rows, self.grid_mask, self.width = [], None, None, 0
         if slots is None or not len(slots):
-            return cls([])
+            return
         starts = np.flatnonzero(np.diff(slots)) + 1
         bounds = np.concatenate(([0], starts, [len(slots)])).tolist()
-        values = slots[bounds[:-1]].tolist()
-        return cls([(s, a, b) for s, a, b in zip(values, bounds[:-1], bounds[1:]) if s >= 0])
+        runs = [(s, a, b) for s, a, b in zip(slots[bounds[:-1]].tolist(), bounds[:-1], bounds[1:]) if s >= 0]
+        short = [r for r in runs if r[2] - r[1] <= LONG_RUN]
+        if len(short) < MIN_GROUPED_RUNS:
+            self.runs = runs
+            return
+        self.runs = [r for r in runs if r[2] - r[1] > LONG_RUN]
+        rows: list[list[int]] = [[] for _ in range(max_loras)]
+        for slot, a, b in short:
+            rows[slot].extend(range(a, b))
+        width = max(len(r) for r in rows)
+        grid = np.full((max_loras, width), short[0][1], dtype=np.int64)
+        mask = np.zeros((max_loras, width, 1), dtype=np.float32)
+        for slot, r in enumerate(rows):
+            grid[slot, : len(r)] = r
+            mask[slot, : len(r)] = 1.0
+        self.width = width
+        self.grid_rows = torch.from_numpy(grid.reshape(-1)).to(device)
+        self.grid_mask = torch.from_numpy(mask).to(device, dtype)
 
 
 class LinearWithLoRA(nn.Module):
-    def __init__(self, base: LinearBase, layer_index: int, modules: list[str], max_loras: int, batch: LoRABatch,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, base: LinearBase, layer_index: int, modules: list[str], max_loras: int, max_rank: int,
+                 batch: LoRABatch, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.dtype, self.device = dtype, device
         if not isinstance(base, (ColumnParallelLinear, RowParallelLinear)):
             raise TypeError(f"no LoRA wrapper for {type(base).__name__}")
         self.base_layer = base
@@ -61,8 +90,10 @@ class LinearWithLoRA(nn.Module):
         self.modules_ = modules  # Hugging Face names of the sub-projections, in fused order
         self.is_row = isinstance(base, RowParallelLinear)
         self.batch = batch
-        # Per slot: (A [in_part, n * r], B [n * r, out_part]) in the model's dtype, or None.
-        self.slots: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * max_loras
+        width = len(modules) * max_rank
+        self.a_stack = torch.zeros(max_loras, base.input_size_per_partition, width, dtype=dtype, device=device)
+        self.b_stack = torch.zeros(max_loras, width, sum(base.output_partition_sizes), dtype=dtype, device=device)
+        self.cols = [0] * max_loras  # columns of A (rows of B) the slot's adapter uses here; 0: none
 
     def _column_rows(self, k: int) -> tuple[int, int, int]:
         """Sub-projection k: offset in this rank's fused output, rows of the full B to take, and size."""
@@ -77,37 +108,41 @@ class LinearWithLoRA(nn.Module):
         """Load this rank's shard of `adapter` into `slot` (None clears it)."""
         present = [] if adapter is None else [(k, adapter.weights[(self.layer_index, m)])
                                                for k, m in enumerate(self.modules_) if (self.layer_index, m) in adapter.weights]
-        if not present:
-            self.slots[slot] = None
-            return
         base = self.base_layer
+        a_slot, b_slot = self.a_stack[slot], self.b_stack[slot]
+        a_slot.zero_()
+        b_slot.zero_()
+        self.cols[slot] = 0
+        if not present:
+            return
         r = adapter.rank
-        n = len(present)
-        out_part = sum(base.output_partition_sizes)
-        a_cat = torch.empty(n * r, base.input_size_per_partition)
-        b_blocks = torch.zeros(n * r, out_part)
         for j, (k, (a, b)) in enumerate(present):
+            cols = slice(j * r, (j + 1) * r)
             if self.is_row:
                 size = base.input_size_per_partition
-                a_cat[j * r : (j + 1) * r] = a[:, base.tp_rank * size : (base.tp_rank + 1) * size]
-                b_blocks[j * r : (j + 1) * r] = b.T
+                a_slot[:, cols] = a[:, base.tp_rank * size : (base.tp_rank + 1) * size].T
+                b_slot[cols] = b.T
             else:
                 offset, first, size = self._column_rows(k)
-                a_cat[j * r : (j + 1) * r] = a
-                b_blocks[j * r : (j + 1) * r, offset : offset + size] = b[first : first + size].T
-        self.slots[slot] = (a_cat.T.contiguous().to(self.device, self.dtype), b_blocks.to(self.device, self.dtype))
+                a_slot[:, cols] = a.T
+                b_slot[cols, offset : offset + size] = b[first : first + size].T
+        self.cols[slot] = len(present) * r
 
     def _add_lora(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        slots = self.slots
-        for slot, start, end in self.batch.runs:
-            weights = slots[slot]
-            if weights is not None:  # None: the adapter does not target this projection
-                a, b = weights
-                y[start:end].addmm_(torch.mm(x[start:end], a), b)
+        batch = self.batch
+        for slot, start, end in batch.runs:
+            cols = self.cols[slot]
+            if cols:  # 0: the adapter does not target this projection
+                y[start:end].addmm_(torch.mm(x[start:end], self.a_stack[slot, :, :cols]), self.b_stack[slot, :cols])
+        if batch.grid_rows is not None:
+            num_slots, width = self.a_stack.shape[0], batch.width
+            shrunk = torch.bmm(x.index_select(0, batch.grid_rows).view(num_slots, width, -1), self.a_stack)
+            shrunk.mul_(batch.grid_mask)  # padding rows repeat a real token: their delta must be zero
+            y.index_add_(0, batch.grid_rows, torch.bmm(shrunk, self.b_stack).view(num_slots * width, -1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base_layer
-        if not self.batch.runs:
+        if self.batch.empty:
             return base(x)
         if not self.is_row:
             y = base(x)
@@ -121,35 +156,32 @@ class LinearWithLoRA(nn.Module):
 
 class LoRASlots:
     """One rank's adapter slots: wraps the model's attention and MLP projections at construction, then
-    loads and clears slots (on every rank, through Executor.collective_rpc) and takes each step's slots."""
+    loads slots (on every rank, through Executor.collective_rpc) and takes each step's token slots."""
 
-    def __init__(self, model: nn.Module, max_loras: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.max_loras = max_loras
-        self.batch = LoRABatch([])
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.max_loras, self.dtype, self.device = max_loras, dtype, device
+        self.batch = LoRABatch()
         self.layers: list[LinearWithLoRA] = []
         decoder = model.model
         for index in range(decoder.start_layer, decoder.end_layer):
             layer = decoder.layers[index]
             for parent, attr in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                                  (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
-                wrapper = LinearWithLoRA(getattr(parent, attr), index, FUSED_MODULES[attr], max_loras, self.batch,
-                                         dtype, device)
+                wrapper = LinearWithLoRA(getattr(parent, attr), index, FUSED_MODULES[attr], max_loras, max_rank,
+                                         self.batch, dtype, device)
                 setattr(parent, attr, wrapper)
                 self.layers.append(wrapper)
 
-    def check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.max_loras:
-            raise ValueError(f"slot {slot} is outside [0, max_loras={self.max_loras})")
+    @property
+    def num_bytes(self) -> int:
+        return sum(w.a_stack.numel() * w.a_stack.element_size() + w.b_stack.numel() * w.b_stack.element_size()
+                   for w in self.layers)
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
-        self.check_slot(slot)
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"slot {slot} is outside [0, max_loras={self.max_loras})")
         for layer in self.layers:
             layer.set_slot(slot, adapter)
 
-    def clear(self, slot: int) -> None:
-        self.check_slot(slot)
-        for layer in self.layers:
-            layer.set_slot(slot, None)
-
     def set_step(self, slots: np.ndarray | None) -> None:
-        self.batch.runs = LoRABatch.from_slots(slots).runs
+        self.batch.update(slots, self.max_loras, self.dtype, self.device)
