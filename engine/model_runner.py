@@ -131,12 +131,9 @@ class ModelRunner:
         """Draft tokens (speculative decoding), then the step's ModelInput and what to sample from it."""
         self.release(so.released_request_ids)
         draft_probs = self._propose(so, kv) if self.ngram is not None or self.drafter is not None else {}
-        # Decodes first: backends batch the leading single-token sequences together. With LoRA, each
-        # adapter's sequences next to each other, so that its tokens form few runs (engine/lora/layers.py).
-        if self.config.enable_lora:
-            order = sorted(range(len(so.requests)), key=lambda j: (so.num_scheduled_tokens[j] != 1, so.requests[j].lora_slot))
-        else:
-            order = sorted(range(len(so.requests)), key=lambda j: so.num_scheduled_tokens[j] != 1)
+        # Decodes first: backends batch the leading single-token sequences together. Then by LoRA slot, so
+        # that each adapter's tokens form few runs (engine/lora/layers.py); without LoRA every slot is -1.
+        order = sorted(range(len(so.requests)), key=lambda j: (so.num_scheduled_tokens[j] != 1, so.requests[j].lora_slot))
         input_ids: list[int] = []
         starts, q_lens, rows, widths = [], [], [], []
         samplers: list[int] = []  # index in so.requests of each request that samples, in batch order

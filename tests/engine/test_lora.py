@@ -17,6 +17,7 @@ from tests.engine.test_hf_parity import PROMPTS, _random_prompts
 from tests.lora_adapters import write_peft_adapter
 from tests.parity import assert_tokens_match, hf_greedy
 
+BASE_NAME = "pagedserve-tiny"
 NEW_TOKENS = 12
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> (rank, target modules, extra LoraConfig fields): different ranks and target sets
@@ -249,3 +250,14 @@ def test_block_hashes_carry_the_adapter_digest():
     salted = hash_block_chain(tokens, 16, cache_salt="s", lora_digest="d1")
     assert salted[0] not in (lora[0], hash_block_chain(tokens, 16, cache_salt="s")[0])
     assert hash_block_chain(tokens, 16, lora_digest="d1", parent_hashes=lora[:1]) == lora
+
+
+def test_lora_settings_are_checked_naming_the_field():
+    from engine import EngineConfig
+
+    with pytest.raises(ValueError, match="max_cpu_loras: 1 is below max_loras=2"):
+        EngineConfig(model=BASE_NAME, enable_lora=True, max_loras=2, max_cpu_loras=1)
+    with pytest.raises(ValueError, match="lora_request.lora_int_id: must be an int > 0"):
+        LoRARequest("a", 0, "/a")
+    with pytest.raises(ValueError, match="lora_request.lora_path"):
+        LoRARequest("a", 1, "")
