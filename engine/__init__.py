@@ -5,6 +5,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
+from engine.lora import LoRARequest
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from engine.spec_decode.config import SpeculativeConfig
@@ -14,6 +15,7 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "LLMEngine",
+    "LoRARequest",
     "EngineConfig",
     "SpeculativeConfig",
     "SamplingParams",

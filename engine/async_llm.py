@@ -28,6 +28,7 @@ from engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedE
 from engine.executor import Rendezvous, WorkerLauncher
 from engine.input_processor import InputProcessor, PreparedRequest
 from engine.llm_engine import LLMEngine
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput, merge_deltas
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -161,11 +162,13 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs: deltas (new token ids, new text, new logprobs) unless
         `sampling_params.output_kind` says otherwise; the last one has `finished` set. Raises ValueError
         for bad input, EngineOverloadedError when the waiting queue is full, EngineDeadError after a
-        fatal error, RequestFailedError if this request fails. Cancelling the consumer aborts it."""
+        fatal error, RequestFailedError if this request fails. Cancelling the consumer aborts it.
+        `lora_request`: the adapter to run with (a bad adapter raises ValueError, the engine goes on)."""
         if self._dead is not None:
             raise self._dead
         params = sampling_params or SamplingParams()
@@ -173,7 +176,8 @@ class AsyncLLM:
             params = params.model_copy(update={"output_kind": RequestOutputKind.DELTA})
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         prepared = self.processor.prepare_request(prompt, params, request_id, priority=priority, cache_salt=cache_salt,
-                                                  kv_transfer_params=kv_transfer_params)
+                                                  kv_transfer_params=kv_transfer_params,
+                                                  lora_request=lora_request)
         stream = _Stream(asyncio.get_running_loop(), deltas=params.output_kind is RequestOutputKind.DELTA)
         self._register(prepared, stream)
         try:

@@ -27,19 +27,34 @@ def hash_block_tokens(
     return int.from_bytes(h.digest(), "little")
 
 
+def first_block_extra_keys(cache_salt: str | None = None, lora_digest: str | None = None) -> tuple | None:
+    """What separates a chain from others with the same tokens: the cache salt, and the LoRA adapter
+    the KV was computed with, by a digest of its weights (engine/lora/peft.py), never by its name: two
+    names of one adapter share blocks, new weights under an old name never see the old KV, and the base
+    model never reads an adapter's blocks."""
+    keys = ()
+    if cache_salt is not None:
+        keys += (cache_salt,)
+    if lora_digest is not None:
+        keys += (("lora", lora_digest),)
+    return keys or None
+
+
 def hash_block_chain(
     token_ids: Sequence[int],
     block_size: int,
     cache_salt: str | None = None,
     parent_hashes: Sequence[BlockHash] = (),
+    lora_digest: str | None = None,
 ) -> list[BlockHash]:
     """Hashes of every full block of `token_ids`, continuing after `parent_hashes` (the hashes
-    already known for its first blocks). The cache salt enters the first block only, which is enough
-    to separate whole chains."""
+    already known for its first blocks). The extra keys (cache salt, adapter digest) enter the first
+    block only, which is enough to separate whole chains."""
     hashes = list(parent_hashes)
+    first_extra = first_block_extra_keys(cache_salt, lora_digest)
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = hashes[-1] if hashes else NONE_HASH
-        extra = (cache_salt,) if cache_salt is not None and not hashes else None
+        extra = first_extra if not hashes else None
         hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size], extra))
     return hashes
 

@@ -133,6 +133,34 @@ class EngineConfig(BaseModel):
         "output keeps the target's distribution. None: off.",
     )
 
+    enable_lora: bool = Field(
+        False,
+        description="Serve LoRA adapters (PEFT folders) on top of the base model: requests name one with a "
+        "LoRARequest, and one batch mixes adapters and the base model.",
+    )
+    max_loras: int = Field(
+        1, ge=1, description="Adapter slots on the device: the most adapters one batch can mix (enable_lora)."
+    )
+    max_lora_rank: int = Field(16, ge=1, le=512, description="The highest adapter rank `r` accepted (enable_lora).")
+    max_cpu_loras: int | None = Field(
+        None, ge=1,
+        description="Adapters kept in host memory (an LRU), so that a slot is refilled without reading the disk; "
+        "at least max_loras. None: max_loras.",
+    )
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> EngineConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras: {self.max_cpu_loras} is below max_loras={self.max_loras}; host memory must hold at "
+                "least the adapters on the device"
+            )
+        return self
+
+    @property
+    def cpu_lora_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
     @model_validator(mode="after")
     def _check_backend(self) -> EngineConfig:
         if self.distributed_executor_backend == "uni" and self.world_size > 1:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
+from engine.lora.request import LoRARequest
 from engine.models.config import ModelConfig
 from engine.models.loader import resolve_model_path
 from engine.sampling_params import SamplingParams
@@ -29,6 +30,7 @@ class PreparedRequest:
     priority: int
     cache_salt: str | None
     kv_transfer_params: dict | None = None  # engine/kv_transfer: produce KV for, or load it from, another engine
+    lora_request: LoRARequest | None = None
 
 
 def resolve_eos_token_ids(model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
@@ -110,6 +112,7 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> PreparedRequest:
         """Validate and tokenize a request without touching engine state, so that any thread may call
         it. Raises ValueError naming the bad parameter."""
@@ -131,6 +134,11 @@ class InputProcessor:
             raise ValueError(f"n: {params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
             raise ValueError(f"kv_transfer_params: expected a dict, got {type(kv_transfer_params).__name__}")
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(f"lora_request: expected a LoRARequest, got {type(lora_request).__name__}")
+            if not self.config.enable_lora:
+                raise ValueError("lora_request: this engine was started without enable_lora=True")
         return PreparedRequest(
             request_id=request_id if request_id is not None else f"req-{next(self._request_counter)}",
             prompt=prompt if isinstance(prompt, str) else None,
@@ -140,4 +148,5 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
+            lora_request=lora_request,
         )

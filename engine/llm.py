@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -34,8 +35,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        """Generate for each prompt (text or token ids); outputs come back in prompt order. `lora_request`:
+        one adapter for every prompt, or one (or None: the base model) per prompt."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
@@ -45,12 +48,24 @@ class LLM:
                 raise ValueError(
                     f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts; pass one, or one per prompt"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * len(prompt_list)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompt_list):
+                raise ValueError(
+                    f"lora_request: got {len(lora_list)} for {len(prompt_list)} prompts; pass one, or one per prompt"
+                )
         engine = self.llm_engine
         # Validate everything before enqueuing anything: no half-submitted batch left running.
         prepared = [
-            engine.prepare_request(prompt, params.model_copy(update={"output_kind": RequestOutputKind.FINAL_ONLY}))
-            for prompt, params in zip(prompt_list, params_list)
+            engine.prepare_request(prompt, params.model_copy(update={"output_kind": RequestOutputKind.FINAL_ONLY}),
+                                   lora_request=lora)
+            for prompt, params, lora in zip(prompt_list, params_list, lora_list)
         ]
+        for p in prepared:  # read every adapter (a bad one raises) before anything is queued
+            if p.lora_request is not None:
+                engine.add_lora(p.lora_request)
         for p in prepared:
             engine.add_prepared(p)
         return self._run([p.request_id for p in prepared], use_tqdm)
@@ -61,6 +76,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to several,
         through the tokenizer's chat template."""
@@ -68,7 +84,7 @@ class LLM:
             raise ValueError("messages: must not be empty")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [self.llm_engine.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -22,6 +22,8 @@ from engine.executor.worker import threads_per_rank
 from engine.input_processor import InputProcessor, PreparedRequest, resolve_eos_token_ids
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfer.shared_memory import SharedMemoryConnector, kv_layout, staged_prefix
+from engine.lora.manager import LoRAManager
+from engine.lora.request import LoRARequest
 from engine.model_runner import LogprobEntry, ModelRunner, ModelRunnerOutput, StepPlan
 from engine.model_spec import ModelSpec
 from engine.output_processor import OutputProcessor
@@ -64,6 +66,13 @@ class LLMEngine:
             self.kv_connector = SharedMemoryConnector(config.kv_transfer_config, staged_prefix("kv") + uuid.uuid4().hex[:12],
                                                       layout, config.block_size, self.dtype, layers_per_rank=stages)
             self.model_runner.kv_connector = self.kv_connector
+        self.lora_manager = None
+        if config.enable_lora:
+            executor = self.model_runner.executor
+            self.lora_manager = LoRAManager(
+                self.model_config, config.max_loras, config.cpu_lora_capacity, config.max_lora_rank,
+                lambda slot, adapter: executor.collective_rpc("load_lora", slot, adapter),
+            )
         try:
             self.scheduler = self._build_scheduler(self.model_runner.num_blocks)
         except ValueError:
@@ -100,6 +109,7 @@ class LLMEngine:
             policy=config.scheduling_policy,
             num_speculative_tokens=config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
             connector=self.kv_connector,
+            lora_manager=self.lora_manager,
         )
 
     def _resolve_max_num_batched_tokens(self) -> int:
@@ -130,6 +140,7 @@ class LLMEngine:
         if rid in self._children:
             raise ValueError(f"request_id: {rid!r} is already in flight")
         room = self.max_model_len - len(prepared.prompt_token_ids)
+        adapter = self._resolve_lora(prepared.lora_request)
         children = [
             Request(
                 request_id=rid if params.n == 1 else f"{rid}#{i}",
@@ -146,6 +157,7 @@ class LLMEngine:
                 index=i,
                 # The first sample loads or produces the prompt's KV; its siblings share it (prefix cache).
                 kv_transfer_params=prepared.kv_transfer_params if i == 0 else None,
+                lora=adapter,
             )
             for i in range(params.n)
         ]
@@ -157,6 +169,25 @@ class LLMEngine:
             self._compiling[rid] = children
             return
         self._enqueue(rid, children)
+
+    def _resolve_lora(self, lora_request: LoRARequest | None):
+        if lora_request is None:
+            return None
+        if self.lora_manager is None:
+            raise ValueError("lora_request: this engine was started without enable_lora=True")
+        return self.lora_manager.resolve(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read an adapter into host memory ahead of its requests (vLLM's add_lora); ValueError if it is bad."""
+        self._resolve_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: a later request with this id reads it from disk again."""
+        return self.lora_manager.remove(lora_int_id) if self.lora_manager is not None else False
+
+    def list_loras(self) -> set[int]:
+        return set(self.lora_manager.host) if self.lora_manager is not None else set()
 
     def _enqueue(self, rid: str, children: list[Request]) -> None:
         self.scheduler.add_request(children[0])
@@ -426,6 +457,8 @@ class LLMEngine:
             spec_decode_num_drafts=s.num_spec_drafts,
             spec_decode_num_draft_tokens=s.num_spec_draft_tokens,
             spec_decode_num_accepted_tokens=s.num_spec_accepted_tokens,
+            loaded_loras=tuple(self.lora_manager.loaded_names()) if self.lora_manager is not None else (),
+            num_lora_slot_loads=self.lora_manager.num_slot_loads if self.lora_manager is not None else 0,
         )
 
 

@@ -134,8 +134,9 @@ class ModelRunner:
         """Draft tokens (speculative decoding), then the step's ModelInput and what to sample from it."""
         self.release(so.released_request_ids)
         draft_probs = self._propose(so, kv) if self.ngram is not None or self.drafter is not None else {}
-        # Decodes first: backends batch the leading single-token sequences together.
-        order = sorted(range(len(so.requests)), key=lambda j: so.num_scheduled_tokens[j] != 1)
+        # Decodes first: backends batch the leading single-token sequences together. Then by LoRA slot, so
+        # that each adapter's tokens form few runs (engine/lora/layers.py); without LoRA every slot is -1.
+        order = sorted(range(len(so.requests)), key=lambda j: (so.num_scheduled_tokens[j] != 1, so.requests[j].lora_slot))
         input_ids: list[int] = []
         starts, q_lens, rows, widths = [], [], [], []
         samplers: list[int] = []  # index in so.requests of each request that samples, in batch order
@@ -173,8 +174,9 @@ class ModelRunner:
         for _, _, count, row in prompt_rows:
             logit_rows.extend(range(row, row + count))
 
+        lora_slots = [so.requests[j].lora_slot for j in order] if self.config.enable_lora else None
         inp = ModelInput.build(input_ids, starts, q_lens, self.block_table.table[rows, : max(widths)], self.block_size,
-                               logit_rows)
+                               logit_rows, lora_slots)
         if self.kv_connector is not None:
             meta = self.kv_connector.build_connector_meta(so.requests, so.num_scheduled_tokens,
                                                           [kv.get_block_ids(r) for r in so.requests])

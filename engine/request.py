@@ -14,6 +14,7 @@ from engine.outputs import PromptLogprobs, SampleLogprobs, StepTiming
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.lora.peft import LoRAAdapter
     from engine.structured_output.manager import GrammarState
 
 
@@ -58,6 +59,7 @@ class Request:
     # consumer, or load it from a producer), and, once finished, what a consumer needs to load it.
     kv_transfer_params: dict | None = None
     kv_transfer_result: dict | None = None
+    lora: LoRAAdapter | None = None  # the adapter it runs with (held here: its weights are what it was hashed with)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -82,14 +84,20 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     step_timings: list[StepTiming] = field(default_factory=list)  # not yet sent in an output
     grammar: GrammarState | None = None  # structured outputs: this sample's compile and matcher
+    lora_slot: int = -1  # the device slot of its adapter while it runs (engine/lora/manager.py); -1: none
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        self.block_hashes = hash_block_chain(self.all_token_ids, self.block_size, self.cache_salt)
+        self.block_hashes = hash_block_chain(self.all_token_ids, self.block_size, self.cache_salt,
+                                             lora_digest=self.lora_digest)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
         if self.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # the first prompt token has no context to be predicted from
+
+    @property
+    def lora_digest(self) -> str | None:
+        return self.lora.digest if self.lora is not None else None
 
     @property
     def num_tokens(self) -> int:
@@ -126,5 +134,5 @@ class Request:
         self.all_token_ids.append(token_id)
         if len(self.all_token_ids) % self.block_size == 0:  # a block just filled: hash it
             self.block_hashes = hash_block_chain(
-                self.all_token_ids, self.block_size, self.cache_salt, self.block_hashes
+                self.all_token_ids, self.block_size, self.cache_salt, self.block_hashes, self.lora_digest
             )

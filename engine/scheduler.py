@@ -4,7 +4,11 @@ Each step hands out up to `max_num_batched_tokens` over the running requests fir
 ones; there are no prefill and decode phases, only requests whose computed tokens catch up with their
 known tokens. A prompt larger than what is left of the budget is chunked. When the pool runs out of
 blocks, the lowest-priority, latest request is preempted: its blocks are freed and it is recomputed
-later (usually cheaply, from the prefix cache)."""
+later (usually cheaply, from the prefix cache).
+
+With LoRA, a request is admitted only once its adapter has a device slot (engine/lora/manager.py): one
+that cannot get one, every slot being pinned by running requests, stays in the queue while requests
+behind it that can run are admitted, and the slot chosen to drain for it takes no new requests."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Literal
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfer import KVConnector
+from engine.lora.manager import LoRAManager
 from engine.request import Request, RequestStatus
 from engine.spec_decode.eligibility import can_draft
 
@@ -108,6 +113,7 @@ class Scheduler:
         policy: Literal["fcfs", "priority"] = "fcfs",
         num_speculative_tokens: int = 0,
         connector: KVConnector | None = None,
+        lora_manager: LoRAManager | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.connector = connector  # disaggregated prefill/decode: KV loaded from, or held for, another engine
@@ -117,6 +123,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
         self.num_speculative_tokens = num_speculative_tokens  # 0: no speculative decoding
+        self.lora_manager = lora_manager
         self.waiting = _PriorityQueue() if policy == "priority" else _FCFSQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -185,8 +192,18 @@ class Scheduler:
             i += 1
 
         # Admit nothing new in a step that had to preempt: the pool is under pressure.
+        skipped: list[Request] = []  # waiting for an adapter slot; they keep their place in the queue
+        draining: int | None = None
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if request.lora is not None:
+                request.lora_slot = self.lora_manager.acquire(request.lora, draining)
+                if request.lora_slot is None:
+                    request.lora_slot = -1
+                    skipped.append(self.waiting.pop())
+                    if draining is None:
+                        draining = self.lora_manager.draining_slot()
+                    continue
             hit_blocks = kv.get_computed_blocks(request)
             num_hit = len(hit_blocks) * kv.block_size
             # KV another engine computed (its prefill), loaded in this step rather than computed: only at
@@ -196,9 +213,11 @@ class Scheduler:
                 num_external = self.connector.get_num_new_matched_tokens(request, num_hit)
             remaining = request.num_tokens - num_hit - num_external
             if not self.enable_chunked_prefill and remaining > budget:
+                self._release_lora(request)
                 break
             num_new = min(remaining, budget)
             if not kv.allocate_slots(request, num_external + num_new, hit_blocks):
+                self._release_lora(request)
                 break
             self.waiting.pop()
             if request.num_cached_tokens < 0:  # first admission; a resumed request is not a new query
@@ -215,8 +234,16 @@ class Scheduler:
             out.requests.append(request)
             out.num_scheduled_tokens.append(num_new)
             budget -= num_new
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
         self.in_flight.update(r.request_id for r in out.requests)
         return out
+
+    def _release_lora(self, request: Request) -> None:
+        """Unpin the request's adapter slot (it stopped running, or was not admitted after all)."""
+        if request.lora_slot >= 0:
+            self.lora_manager.release(request.lora_slot)
+            request.lora_slot = -1
 
     def _num_draft_slots(self, request: Request, num_new: int, budget: int) -> int:
         """Draft tokens a decoding request may verify this step: within the token budget, and never more
@@ -238,6 +265,7 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv_cache_manager.free(request)
+        self._release_lora(request)
         out.released_request_ids.append(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -373,6 +401,7 @@ class Scheduler:
             held, request.kv_transfer_result = self.connector.request_finished(request, block_ids)
         if not held:  # a producer's connector keeps them for the consumer, under a lease
             self.kv_cache_manager.free(request)
+        self._release_lora(request)
         self._released.append(request.request_id)
         del self.requests[request.request_id]
         self.num_finished += 1

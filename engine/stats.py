@@ -28,6 +28,10 @@ class EngineStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    # LoRA: adapter names held in host memory or device slots (what routers prefer a replica for), and
+    # adapters loaded into device slots since start (each load reaches every rank).
+    loaded_loras: tuple[str, ...] = ()
+    num_lora_slot_loads: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import EngineConfig
+from serve_app.lora_registry import LoRAModule
 from serve_app.tracing import TracingConfig
 
 ROUTERS = {
@@ -144,6 +145,31 @@ class AppArgs(BaseModel):
         30.0, ge=0, description="How long a stopping engine replica may take to finish its streams."
     )
 
+    lora_modules: list[LoRAModule] = Field(
+        default_factory=list,
+        description="LoRA adapters served from the start, `[{name, path}]` (PEFT folders): clients name one as the "
+        "`model` (or `<model>:<name>`). Turns on engine.enable_lora; size it with engine.max_loras, max_lora_rank, "
+        "max_cpu_loras.",
+    )
+    lora_root: str | None = Field(
+        None, description="The folder runtime loads may read adapters from (nothing outside it), and where the "
+        "registry of runtime-loaded adapters is kept (serve_app/lora_registry.py). Must be readable by every replica.",
+    )
+    allow_runtime_lora_updating: bool = Field(
+        False, description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind api_keys when set; "
+        "paths under lora_root only). Off by default: loading adapters is an operator's action.",
+    )
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> AppArgs:
+        if self.allow_runtime_lora_updating and not self.lora_root:
+            raise ValueError("lora_root: allow_runtime_lora_updating needs the folder runtime loads may read adapters from")
+        return self
+
+    @property
+    def serves_lora(self) -> bool:
+        return bool(self.lora_modules) or self.allow_runtime_lora_updating
+
     @model_validator(mode="after")
     def _check_engine(self) -> AppArgs:
         if "model" in self.engine:
@@ -203,7 +229,8 @@ class AppArgs(BaseModel):
         overrides, and its part in the KV transfer."""
         # Replicas run the engine loop in its own process unless told otherwise (engine_core.py: why), and
         # a multi-rank engine's other ranks as Ray actors in the replica's placement group.
-        defaults: dict[str, Any] = {"multiprocess": True, "collect_step_timings": self.tracing.detailed}
+        defaults: dict[str, Any] = {"multiprocess": True, "collect_step_timings": self.tracing.detailed,
+                                  "enable_lora": self.serves_lora}
         fields = dict(self.engine)
         if role is not None:
             fields.update(getattr(self.disaggregation, role).engine)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 
@@ -20,3 +21,4 @@ class EngineRequest:
     # Filled by the prefix router in the caller's process: prompt blocks each candidate replica is estimated
     # to hold (the P/D orchestrator's uncached length for the replica Serve picked).
     routed_matched_blocks: dict[str, int] = field(default_factory=dict)
+    lora_request: LoRARequest | None = None  # the adapter, from the ingress's registry; its digest is in block_hashes

@@ -23,7 +23,6 @@ from serve_app.protocol.openai import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
-    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -190,9 +189,9 @@ def build_http_app(ingress) -> FastAPI:
         result = await serving.chat(body)
         return await stream_response(result) if body.stream else json_response(result)
 
-    @app.get("/v1/models", response_model=ModelList, summary="The served model")
+    @app.get("/v1/models", response_model=ModelList, summary="The served model and its LoRA adapters")
     async def list_models():
-        return ModelList(data=[ModelCard(id=serving.model_name, max_model_len=serving.processor.max_model_len)])
+        return ModelList(data=serving.model_cards())
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS, summary="Tokenize a prompt or chat")
     async def tokenize(body: TokenizeRequest):

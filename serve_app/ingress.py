@@ -19,10 +19,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from engine.input_processor import InputProcessor
-from serve_app import replica_context, tracing
+from serve_app import lora_routes, replica_context, tracing
 from serve_app.anthropic_serving import AnthropicServing, add_routes
 from serve_app.app_args import AppArgs
 from serve_app.http_api import build_http_app
+from serve_app.lora_registry import LoRARegistry
 from serve_app.openai_serving import OpenAIServing
 from serve_app.protocol.anthropic import MessagesRequest
 from serve_app.protocol.openai import ChatCompletionRequest, CompletionRequest
@@ -41,12 +42,19 @@ class OpenAIIngress:
         tracing.setup_tracing(self.args.tracing, {"pagedserve.component": "ingress", "gen_ai.request.model": self.args.name,
                                                   "pagedserve.replica": replica_context.replica_id()})
         # Requests go to the decode pool when prefill and decode are disaggregated: validate for its engines.
-        self.processor = InputProcessor.from_config(self.args.engine_config("decode" if self.args.disaggregation else None))
+        engine_config = self.args.engine_config("decode" if self.args.disaggregation else None)
+        self.processor = InputProcessor.from_config(engine_config)
         self.engine = engine
+        self.lora = None
+        if self.args.serves_lora:  # the adapters' registry: lora_modules, and runtime loads under lora_root
+            self.lora = LoRARegistry(self.args.name, self.processor.model_config, engine_config.max_lora_rank,
+                                     self.args.lora_modules, self.args.lora_root)
         self.openai = OpenAIServing(self.processor, self.args.name, engine.options(stream=True),
-                                    self.args.tool_call_parser)
+                                    self.args.tool_call_parser, self.lora)
         self.anthropic = AnthropicServing(self.openai)
         self.extra_routes = [lambda app: add_routes(app, self.anthropic)]
+        if self.args.allow_runtime_lora_updating:
+            self.extra_routes.append(lambda app: lora_routes.add_routes(app, self.lora))
 
     def __serve_build_asgi_app__(self):
         return build_http_app(self)

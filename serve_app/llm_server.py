@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -79,6 +80,7 @@ class LLMServer:
             settings = PDSettings(**(pd_settings or {}), block_size=config.block_size, staging_dir=self.staging_dir)
             self.pd = PrefillOrchestrator(prefill, settings, DisaggregationMetrics(served_model_name, replica_id))
         self._prefilled: dict[str, tuple[dict, float]] = {}  # prefill pool: request id -> (KV params, lease end)
+        self.lora_request_counts: Counter[str] = Counter()  # requests per LoRA adapter since start
         self._metrics_task = asyncio.get_event_loop().create_task(self._export_metrics())
         self.pacing = pacing or StreamPacing()
         self.cpu = CpuPressure()
@@ -96,6 +98,9 @@ class LLMServer:
         request_trace = _RequestTrace(self, request) if self.tracer is not None else None
         first = True
         remote = None
+        if request.lora_request is not None:
+            self.lora_request_counts[request.lora_request.lora_name] += 1
+            self.metrics.count_lora_request(request.lora_request.lora_name)
         try:
             if self.pd is not None:  # decode pool: prefill on the prefill pool when that pays
                 with trace.use_span(request_trace.span, end_on_exit=False) if request_trace else nullcontext():
@@ -107,6 +112,7 @@ class LLMServer:
                 priority=request.priority,
                 cache_salt=request.cache_salt,
                 kv_transfer_params=remote.kv_transfer_params if remote is not None else None,
+                lora_request=request.lora_request,
             ):
                 if remote is not None:  # the prompt's cache hits happened on the prefill replica
                     output.num_cached_tokens = max(output.num_cached_tokens, remote.cached_tokens)
@@ -134,7 +140,8 @@ class LLMServer:
         final = None
         async for output in self.llm.generate(request.prompt_token_ids, request.sampling_params,
                                               request_id=request.request_id, priority=request.priority,
-                                              cache_salt=request.cache_salt, kv_transfer_params={"do_remote_decode": True}):
+                                              cache_salt=request.cache_salt, kv_transfer_params={"do_remote_decode": True},
+                                              lora_request=request.lora_request):
             final = output
             self.metrics.observe(output)
             self.ttft.observe(output)
@@ -198,10 +205,16 @@ class LLMServer:
                 "queued_prefill_tokens": float(s.queued_prefill_tokens), "ttft_s": self.ttft.p90()}
 
     def record_routing_stats(self) -> dict:
-        """Load, and the prefix cache's block summary (packed uint64 short hashes) for the prefix router."""
+        """Load, the prefix cache's block summary (packed uint64 short hashes) and the LoRA adapters the
+        engine holds (host memory or device slots), for the prefix router."""
         s = self.llm.stats
         return {"kv_cache_usage": s.kv_cache_usage, "num_waiting": s.num_waiting, "num_running": s.num_running,
-                "cached_blocks": self.llm.cache_summary, "reported_at": time.time()}
+                "cached_blocks": self.llm.cache_summary, "lora_adapters": list(s.loaded_loras),
+                "reported_at": time.time()}
+
+    def lora_requests(self) -> dict[str, int]:
+        """Requests this replica served per LoRA adapter since it started."""
+        return dict(self.lora_request_counts)
 
     async def _watch_cpu(self) -> None:
         threshold = self.pacing.cpu_pressure
@@ -235,10 +248,12 @@ class _RequestTrace:
     def __init__(self, server: LLMServer, request: EngineRequest) -> None:
         params = request.sampling_params
         self.server, self.request = server, request
+        lora = request.lora_request
         self.span = server.tracer.start_span(
             "llm_request", context=tracing.extract(request.trace_context), kind=SpanKind.SERVER,
             attributes={
-                "gen_ai.request.model": server.model_name, "gen_ai.request.id": request.request_id,
+                "gen_ai.request.model": lora.lora_name if lora is not None else server.model_name,
+                "pagedserve.lora.name": lora.lora_name if lora is not None else "", "gen_ai.request.id": request.request_id,
                 "gen_ai.response.id": request.request_id, "gen_ai.request.max_tokens": params.max_tokens or 0,
                 "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
                 "gen_ai.request.n": params.n, "gen_ai.usage.input_tokens": len(request.prompt_token_ids),

@@ -55,6 +55,8 @@ class EngineMetrics:
         self.itl = histogram("inter_token_latency_seconds", "Mean time between output tokens, per request.", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
+        self.lora_requests = Counter(_PREFIX + "lora_requests", description="Requests per LoRA adapter.",
+                                     tag_keys=(*_TAGS, "lora_name"))
         self._last: dict[str, int] = {name: 0 for name in _COUNTERS}
 
     def update(self, stats: EngineStats) -> None:
@@ -66,6 +68,9 @@ class EngineMetrics:
             if value > self._last[name]:
                 self.counters[name].inc(value - self._last[name], tags=self.tags)
                 self._last[name] = value
+
+    def count_lora_request(self, lora_name: str) -> None:
+        self.lora_requests.inc(1, tags={**self.tags, "lora_name": lora_name})
 
     def observe(self, output: RequestOutput) -> None:
         """Called for every delta a request streams: counts finished samples, and records latencies

@@ -21,6 +21,7 @@ from serve_app.chat_tools import ChoiceTools, ToolPlan, plan_tools
 from serve_app.engine_request import EngineRequest
 from serve_app.errors import APIError, from_exception
 from serve_app.formats import FormatValidator, requested_format
+from serve_app.lora_registry import AdapterEntry, AdapterNotFound, LoRARegistry
 from serve_app.protocol.openai import (
     ChatChoice,
     ChatChunkChoice,
@@ -33,6 +34,7 @@ from serve_app.protocol.openai import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    ModelCard,
     PromptTokensDetails,
     ResponseMessage,
     SamplingFields,
@@ -87,8 +89,11 @@ def _own_internal_request_id() -> None:
 
 
 class OpenAIServing:
-    def __init__(self, processor: InputProcessor, served_model_name: str, engine, tool_call_parser: str = "auto") -> None:
+    def __init__(self, processor: InputProcessor, served_model_name: str, engine, tool_call_parser: str = "auto",
+                 lora: LoRARegistry | None = None) -> None:
         self.processor = processor
+        self.lora = lora  # the adapters served as models of their own (None: the base model only)
+        self._adapter_handles: dict[str, object] = {}
         self.tokenizer = processor.tokenizer
         self.model_name = served_model_name
         self.block_size = processor.config.block_size
@@ -98,10 +103,30 @@ class OpenAIServing:
 
     # --- shared -------------------------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                           param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> AdapterEntry | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 naming an unknown model."""
+        if model is None or model == self.model_name:
+            return None
+        if self.lora is not None:
+            try:
+                return self.lora.resolve(model)
+            except AdapterNotFound:
+                raise APIError(404, f"The model `{model}` does not exist: it is neither `{self.model_name}` nor one of "
+                               "its LoRA adapters (GET /v1/models lists them).", param="model", code="model_not_found") from None
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                       param="model", code="model_not_found")
+
+    def model_cards(self) -> list[ModelCard]:
+        """The base model, then each adapter as a model of its own whose parent is the base (vLLM's cards)."""
+        max_len = self.processor.max_model_len
+        cards = [ModelCard(id=self.model_name, max_model_len=max_len)]
+        for entry in self.lora.entries() if self.lora is not None else ():
+            cards.append(ModelCard(id=entry.name, root=entry.path, parent=self.model_name, max_model_len=max_len))
+        return cards
+
+    def response_model(self, req) -> str:
+        """The model name a response carries: the one the request named (an adapter's), else the base model's."""
+        return req.model or self.model_name
 
     async def structured_outputs(self, req: SamplingFields, plan: ToolPlan | None = None) -> StructuredOutputsParams | None:
         """The format the request constrains its output to, compiled once here to reject a bad one (400)."""
@@ -143,6 +168,7 @@ class OpenAIServing:
             raise from_exception(e) from e
 
     def engine_request(self, request_id: str, prompt: _Prompt, params: SamplingParams, req: SamplingFields) -> EngineRequest:
+        adapter = self.check_model(req.model)
         try:
             prepared = self.processor.prepare_request(prompt.token_ids, params, request_id, priority=req.priority,
                                                       cache_salt=req.cache_salt)
@@ -152,17 +178,33 @@ class OpenAIServing:
             request_id=request_id,
             prompt_token_ids=prepared.prompt_token_ids,
             sampling_params=params,
-            block_hashes=hash_block_chain(prepared.prompt_token_ids, self.block_size, req.cache_salt),
+            block_hashes=hash_block_chain(prepared.prompt_token_ids, self.block_size, req.cache_salt,
+                                          lora_digest=adapter.digest if adapter is not None else None),
             priority=req.priority,
             cache_salt=req.cache_salt,
             trace_context=tracing.inject(),
+            lora_request=adapter.lora_request() if adapter is not None else None,
         )
+
+    def _engine_for(self, request: EngineRequest):
+        """The engine handle for a request: an adapter's carries Ray Serve's multiplexed_model_id (the
+        adapter's name), which tags the call in Serve's request context and logs; the prefix router ranks
+        replicas by the adapters they report holding (serve_app/routing)."""
+        if request.lora_request is None:
+            return self.engine
+        name = request.lora_request.lora_name
+        handle = self._adapter_handles.get(name)
+        if handle is None:
+            if len(self._adapter_handles) > 1024:
+                self._adapter_handles.clear()
+            handle = self._adapter_handles[name] = self.engine.options(multiplexed_model_id=name)
+        return handle
 
     async def _stream(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Deltas of several engine requests as they come, tagged with each one's index. Closing or
         cancelling this iterator cancels the engine calls, which abort their requests."""
         if len(requests) == 1:
-            stream = self.engine.generate.remote(requests[0])
+            stream = self._engine_for(requests[0]).generate.remote(requests[0])
             finished = False
             try:
                 async for output in stream:
@@ -177,7 +219,7 @@ class OpenAIServing:
         async def pump(i: int, request: EngineRequest) -> None:
             _own_internal_request_id()  # this task's context is a copy: the change stays in it
             try:
-                async for output in self.engine.generate.remote(request):
+                async for output in self._engine_for(request).generate.remote(request):
                     await queue.put((i, output))
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 await queue.put((i, e))
@@ -252,7 +294,7 @@ class OpenAIServing:
             for c in output.outputs:
                 choices.append(self._completion_choice(req, i, prompt, output, c, first=True))
         choices.sort(key=lambda c: c.index)
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=tally.usage())
+        return CompletionResponse(id=request_id, model=self.response_model(req), choices=choices, usage=tally.usage())
 
     def _completion_choice(
         self, req: CompletionRequest, prompt_index: int, prompt: _Prompt, output: RequestOutput,
@@ -312,10 +354,10 @@ class OpenAIServing:
                 if choice.text or choice.finish_reason or (choice.logprobs and choice.logprobs.tokens):
                     choices.append(choice)
             if choices:
-                yield CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                yield CompletionResponse(id=request_id, model=self.response_model(req), choices=choices,
                                          usage=tally.usage() if continuous else None)
         if include_usage:
-            yield CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=tally.usage())
+            yield CompletionResponse(id=request_id, model=self.response_model(req), choices=[], usage=tally.usage())
 
     # --- /v1/chat/completions -----------------------------------------------------------------------
 
@@ -371,7 +413,7 @@ class OpenAIServing:
             choices.append(ChatChoice(index=c.index, message=ResponseMessage(content=content, tool_calls=tool_calls),
                                       logprobs=self._chat_logprobs(req, c), finish_reason=finish_reason,
                                       stop_reason=c.stop_reason))
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=tally.usage())
+        return ChatCompletionResponse(id=request_id, model=self.response_model(req), choices=choices, usage=tally.usage())
 
     async def _chat_stream(self, req, request_id, engine_request, plan: ToolPlan) -> AsyncIterator[ChatCompletionChunk]:
         tally = _Tally()
@@ -382,7 +424,7 @@ class OpenAIServing:
         async for _, output in self._stream([engine_request]):
             if first:  # the first chunk of every choice carries the role, as OpenAI's do
                 first = False
-                yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
+                yield ChatCompletionChunk(id=request_id, model=self.response_model(req), choices=[
                     ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(req.n)
                 ])
             tally.add(0, output)
@@ -395,10 +437,10 @@ class OpenAIServing:
                         logprobs=self._chat_logprobs(req, c), finish_reason=finish_reason, stop_reason=c.stop_reason,
                     ))
             if choices:
-                yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices,
+                yield ChatCompletionChunk(id=request_id, model=self.response_model(req), choices=choices,
                                           usage=tally.usage() if continuous else None)
         if include_usage:
-            yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=tally.usage())
+            yield ChatCompletionChunk(id=request_id, model=self.response_model(req), choices=[], usage=tally.usage())
 
 
 def _template_message(m) -> dict:

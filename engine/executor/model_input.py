@@ -28,12 +28,15 @@ class ModelInput:
     slot_mapping: np.ndarray  # int64 [num_tokens]
     logit_rows: np.ndarray  # int64: token rows whose logits are needed, in the sampler's order
     kv_meta: KVConnectorMetadata | None = None  # KV to load before the forward and save after it
+    # int32 [num_tokens]: each token's LoRA slot (-1: the base model); None when no token has an adapter.
+    lora_slots: np.ndarray | None = None
 
     @classmethod
     def build(cls, input_ids: list[int], starts: list[int], q_lens: list[int], block_tables: np.ndarray,
-              block_size: int, logit_rows: list[int] | None = None) -> ModelInput:
+              block_size: int, logit_rows: list[int] | None = None, lora_slots: list[int] | None = None) -> ModelInput:
         """Positions and slots of every token, vectorised over the batch (sequence i computes q_lens[i]
-        tokens from position starts[i] on, its KV in the blocks of block_tables[i])."""
+        tokens from position starts[i] on, its KV in the blocks of block_tables[i]; with `lora_slots`, its
+        adapter's slot, or -1)."""
         num_seqs = len(q_lens)
         num_decodes = next((i for i, n in enumerate(q_lens) if n != 1), num_seqs)
         q_lens_np = np.asarray(q_lens, dtype=np.int64)
@@ -44,9 +47,12 @@ class ModelInput:
         token_seq = np.repeat(np.arange(num_seqs), q_lens_np)
         positions = np.arange(num_tokens) - query_start_loc[token_seq] + starts_np[token_seq]
         slot_mapping = block_tables[token_seq, positions // block_size] * block_size + positions % block_size
+        token_slots = None
+        if lora_slots is not None and max(lora_slots, default=-1) >= 0:
+            token_slots = np.repeat(np.asarray(lora_slots, dtype=np.int32), q_lens_np)
         return cls(np.asarray(input_ids, dtype=np.int64), positions, query_start_loc, starts_np + q_lens_np,
                    num_decodes, block_tables, slot_mapping.astype(np.int64),
-                   np.asarray(logit_rows if logit_rows is not None else [], dtype=np.int64))
+                   np.asarray(logit_rows if logit_rows is not None else [], dtype=np.int64), lora_slots=token_slots)
 
     @property
     def num_tokens(self) -> int:

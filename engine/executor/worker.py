@@ -21,6 +21,8 @@ from engine.distributed import ParallelGroups, ParallelLayout, init_parallel_gro
 from engine.distributed.message_queue import MessageQueueReader
 from engine.executor.model_input import ModelInput
 from engine.kv_transfer.shared_memory import SharedMemoryConnector, kv_layout
+from engine.lora.layers import LoRASlots
+from engine.lora.peft import LoRAAdapter
 from engine.model_spec import ModelSpec
 from engine.models.loader import build_model, weight_bytes
 from kernels.attention import get_attention_backend
@@ -64,6 +66,9 @@ class Worker:
             with parallel_groups(groups):
                 self.model = build_model(spec.model_config, spec.path, load_format, spec.dtype, device,
                                          config.seed, config.max_num_seqs, spec.quant_config)
+        # Adapter slots: the model's projections wrapped, loaded through Executor.collective_rpc.
+        self.lora = LoRASlots(self.model, config.max_loras, config.max_lora_rank, spec.dtype, device) \
+            if config.enable_lora else None
         self.pp = groups.pp if groups is not None else None
         self.kv_connector = None
         if config.kv_transfer_config is not None:
@@ -115,6 +120,11 @@ class Worker:
             attn.kv_cache = torch.zeros(self.attn_backend.kv_cache_shape(), dtype=self.spec.dtype, device=self.device)
 
     @torch.inference_mode()
+    def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Load this rank's shard of an adapter into a slot (every rank runs it, through collective_rpc)."""
+        self.lora.load(slot, adapter)
+
+    @torch.inference_mode()
     def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
         """Run this rank's part of the step; the logits of `inp.logit_rows` on the driver, else None."""
         for work in self._sends:  # the previous step's hidden states must have left before new ones do
@@ -126,6 +136,8 @@ class Worker:
         layers = self.model.attention_layers
         if meta is not None and meta.loads:  # loaded synchronously: every layer's before the forward
             self.kv_connector.start_load_kv(meta, [attn.kv_cache for attn in layers])
+        if self.lora is not None:
+            self.lora.set_step(inp.lora_slots)
         input_ids = torch.from_numpy(inp.input_ids).to(dev)
         positions = torch.from_numpy(inp.positions).to(dev)
         intermediate = None

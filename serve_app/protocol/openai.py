@@ -331,6 +331,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedserve"
     max_model_len: int | None = None
+    root: str | None = None  # a LoRA adapter's folder
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

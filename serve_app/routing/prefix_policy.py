@@ -12,6 +12,12 @@ with the lowest cost wins:
     cost = tokens it would still have to prefill (x kv_full_token_factor when its KV cache is nearly
              full: each block stored there evicts another prefix's block or preempts a request)
            + waiting_cost_tokens x requests waiting there + running_cost_tokens x requests running there
+           + adapter_miss_cost_tokens if the request names a LoRA adapter the replica does not hold
+
+A request's LoRA adapter is already in its block hashes (its digest is an extra key of the first block),
+so cached prefixes never match across adapters; the adapter term makes a replica holding the adapter
+(as its last report says, or because this router sent it a request for it since) win over one that
+would first read it from disk and take a device slot from another adapter, unless it is busier.
 
 Replica reports are up to a stats period old; requests this router sent since are counted too (in
 flight until Serve reports them completed), so a burst does not pile onto one replica that still
@@ -43,6 +49,7 @@ class ReplicaLoad:
     kv_cache_usage: float = 0.0
     cached_blocks: frozenset[int] | None = None  # short hashes of the blocks it holds; None: not reported
     stats_age_s: float = 0.0
+    adapters: frozenset[str] | None = None  # LoRA adapters it holds; None: not reported
 
 
 @dataclass
@@ -70,6 +77,7 @@ class PrefixRouterConfig:
     max_stats_age_s: float = 5.0  # older replica reports are not trusted
     approx_ttl_s: float = 300.0  # the router's own record forgets a routing after this long
     approx_capacity_blocks: int = 200_000  # per replica, LRU
+    adapter_miss_cost_tokens: float = 512.0  # a replica without the request's LoRA adapter must load it first
 
 
 @dataclass
@@ -120,15 +128,19 @@ class PrefixRouterPolicy:
         # Per replica, this router's open requests (send time, short hashes, oldest first) and their blocks.
         self._in_flight: dict[str, deque[tuple[float, list[int]]]] = {}
         self._in_flight_blocks: dict[str, Counter[int]] = {}
+        self._adapter_sent: dict[tuple[str, str], float] = {}  # (replica, adapter) -> last routing there
 
-    def route(self, block_hashes: list[int], replicas: list[ReplicaLoad], now: float) -> RoutingDecision:
+    def route(self, block_hashes: list[int], replicas: list[ReplicaLoad], now: float,
+              adapter: str | None = None) -> RoutingDecision:
+        """Rank replicas for a prompt's blocks; `adapter`: the LoRA adapter the request names, if any."""
         if not replicas:
             return RoutingDecision([], 0, "load", "none")
         cfg = self.config
         hashes = [short_hash(h) for h in block_hashes]
         key = hashes[0] if hashes else 0
         if len(hashes) < cfg.min_prefix_blocks or not cfg.affinity:
-            ranked = sorted(replicas, key=lambda r: (self._load_cost(r, now) + self._kv_cost(r, len(hashes)),
+            ranked = sorted(replicas, key=lambda r: (self._load_cost(r, now) + self._kv_cost(r, len(hashes))
+                                                     + self._adapter_cost(r, adapter, now),
                                                      _rendezvous(key, r.replica_id)))
             return RoutingDecision([r.replica_id for r in ranked], 0, "short_prompt" if cfg.affinity else "load", "none")
         scored = []
@@ -137,7 +149,7 @@ class PrefixRouterPolicy:
             uncached = (len(hashes) - matched) * cfg.block_size
             if r.kv_cache_usage >= cfg.kv_full_usage:
                 uncached *= cfg.kv_full_token_factor
-            cost = uncached + self._load_cost(r, now)
+            cost = uncached + self._load_cost(r, now) + self._adapter_cost(r, adapter, now)
             scored.append((cost, _rendezvous(key, r.replica_id), r, matched, source))
         scored.sort(key=lambda s: (s[0], s[1]))
         _, _, best, matched, source = scored[0]
@@ -151,9 +163,14 @@ class PrefixRouterPolicy:
         return RoutingDecision([s[2].replica_id for s in scored], matched, reason, source if matched else "none",
                                {s[2].replica_id: s[3] for s in scored})
 
-    def record(self, block_hashes: list[int], replica_id: str, now: float) -> None:
-        """The request went to `replica_id`: from now on it (approximately) holds the prompt's blocks,
-        and the request is in flight there until `complete`."""
+    def record(self, block_hashes: list[int], replica_id: str, now: float, adapter: str | None = None) -> None:
+        """The request went to `replica_id`: from now on it (approximately) holds the prompt's blocks and
+        its adapter, and the request is in flight there until `complete`."""
+        if adapter is not None:
+            if len(self._adapter_sent) > 65536:  # forget the oldest routings rather than grow without bound
+                cutoff = now - self.config.approx_ttl_s
+                self._adapter_sent = {k: t for k, t in self._adapter_sent.items() if t > cutoff}
+            self._adapter_sent[(replica_id, adapter)] = now
         hashes = [short_hash(h) for h in block_hashes]
         self._approx.record(hashes, replica_id, now)
         self._in_flight.setdefault(replica_id, deque()).append((now, hashes))
@@ -172,9 +189,26 @@ class PrefixRouterPolicy:
                     blocks.pop(h, None)
 
     def forget_replica(self, replica_id: str) -> None:
+        self._adapter_sent = {k: t for k, t in self._adapter_sent.items() if k[0] != replica_id}
         self._approx.forget(replica_id)
         self._in_flight.pop(replica_id, None)
         self._in_flight_blocks.pop(replica_id, None)
+
+    def holds_adapter(self, r: ReplicaLoad, adapter: str, now: float) -> bool:
+        """In its last report, or sent there since (a report older than the routing cannot show it yet)."""
+        if r.adapters is not None and adapter in r.adapters:
+            return True
+        sent = self._adapter_sent.get((r.replica_id, adapter))
+        if sent is None:
+            return False
+        horizon = self.config.approx_ttl_s if r.adapters is None or r.stats_age_s > self.config.max_stats_age_s \
+            else r.stats_age_s
+        return sent >= now - horizon
+
+    def _adapter_cost(self, r: ReplicaLoad, adapter: str | None, now: float) -> float:
+        if adapter is None or self.holds_adapter(r, adapter, now):
+            return 0.0
+        return self.config.adapter_miss_cost_tokens
 
     def _load_cost(self, r: ReplicaLoad, now: float) -> float:
         cfg = self.config

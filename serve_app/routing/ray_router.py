@@ -40,6 +40,7 @@ class PrefixRouter(RequestRouter):
             kv_cache_usage=float(stats.get("kv_cache_usage", 0.0)),
             cached_blocks=blocks,
             stats_age_s=now - stats["reported_at"] if "reported_at" in stats else float("inf"),
+            adapters=frozenset(stats["lora_adapters"]) if "lora_adapters" in stats else None,
         )
 
     async def choose_replicas(
@@ -54,8 +55,9 @@ class PrefixRouter(RequestRouter):
         if isinstance(request, KVFetchRequest):  # pinned: only the replica holding the KV can answer
             return [[by_id[request.replica_id]]] if request.replica_id in by_id else []
         hashes = request.block_hashes if isinstance(request, EngineRequest) else []
+        adapter = _adapter(request)
         now = time.time()
-        decision = self.policy.route(hashes, [self._load(r, now) for r in candidate_replicas], now)
+        decision = self.policy.route(hashes, [self._load(r, now) for r in candidate_replicas], now, adapter)
         if isinstance(request, EngineRequest):
             request.routed_matched_blocks = decision.matched_by_replica
         tracer = tracing.tracer()
@@ -64,13 +66,14 @@ class PrefixRouter(RequestRouter):
                 "pagedserve.route.policy": "prefix", "pagedserve.route.replica": decision.ranked[0],
                 "pagedserve.route.matched_blocks": decision.matched_blocks, "pagedserve.route.reason": decision.reason,
                 "pagedserve.route.source": decision.source, "pagedserve.route.prompt_blocks": len(hashes),
+                "pagedserve.route.lora": adapter or "",
             }).end()
         return [[by_id[rid]] for rid in decision.ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         request = pending_request.args[0] if pending_request.args else None
         hashes = request.block_hashes if isinstance(request, EngineRequest) else []
-        self.policy.record(hashes, replica_id.unique_id, time.time())
+        self.policy.record(hashes, replica_id.unique_id, time.time(), _adapter(request))
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self.policy.complete(replica_id.unique_id)
@@ -79,3 +82,9 @@ class PrefixRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self.policy.forget_replica(replica_id.unique_id)
         self._summaries.pop(replica_id.unique_id, None)
+
+
+def _adapter(request) -> str | None:
+    """The LoRA adapter a request names (the ingress also sets it as Serve's multiplexed_model_id)."""
+    lora = request.lora_request if isinstance(request, EngineRequest) else None
+    return lora.lora_name if lora is not None else None

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 README = Path(__file__).resolve().parents[2] / "k8s" / "README.md"
 BIN = Path(sys.executable).parent

@@ -93,8 +93,9 @@ def test_http_app_takes_its_keys_from_the_environment(monkeypatch):
     from fastapi.testclient import TestClient
 
     from serve_app.http_api import build_http_app
+    from serve_app.protocol.openai import ModelCard
 
-    serving = SimpleNamespace(model_name="m", processor=SimpleNamespace(max_model_len=16))
+    serving = SimpleNamespace(model_cards=lambda: [ModelCard(id="m", max_model_len=16)])
     ingress = SimpleNamespace(args=AppArgs.model_validate({"api_keys_env": "PAGEDSERVE_API_KEYS"}), openai=serving)
     monkeypatch.setenv("PAGEDSERVE_API_KEYS", "key-one,key-two")
     client = TestClient(build_http_app(ingress))

@@ -159,3 +159,34 @@ def test_per_replica_matches_and_load_only_routing_for_a_decode_pool():
     decode = PrefixRouterPolicy(PrefixRouterConfig(affinity=False)).route(h, loads, now=0.0)
     # Load and KV usage alone: b (idle, room) before a (busy, though it holds the prefix) before c (KV full).
     assert decode.ranked == ["b", "a", "c"] and decode.reason == "load" and decode.matched_blocks == 0
+
+
+def test_lora_adapter_holders_win_then_longest_prefix_among_them():
+    policy = PrefixRouterPolicy(PrefixRouterConfig(block_size=BS))
+    hashes = hash_block_chain(list(range(BS * 4)), BS, lora_digest="d")
+    now = 100.0
+    cached = frozenset(short_hash(h) for h in hashes[:3])
+    replicas = [
+        ReplicaLoad("holds-prefix-only", cached_blocks=cached, adapters=frozenset()),
+        ReplicaLoad("holds-adapter", cached_blocks=frozenset(short_hash(h) for h in hashes[:1]), adapters=frozenset({"sql"})),
+        ReplicaLoad("holds-both", cached_blocks=frozenset(short_hash(h) for h in hashes[:2]), adapters=frozenset({"sql", "x"})),
+    ]
+    assert policy.route(hashes, replicas, now, adapter="sql").ranked == ["holds-both", "holds-adapter", "holds-prefix-only"]
+    assert policy.route(hashes, replicas, now).ranked[0] == "holds-prefix-only"  # no adapter: prefix alone
+    # A busy holder spills to a replica that will load the adapter.
+    busy = [ReplicaLoad("holder", num_waiting=4, adapters=frozenset({"sql"})), ReplicaLoad("idle", adapters=frozenset())]
+    assert policy.route(hashes, busy, now, adapter="sql").ranked[0] == "idle"
+
+
+def test_lora_routing_remembers_where_it_sent_an_adapter_until_a_newer_report():
+    policy = PrefixRouterPolicy(PrefixRouterConfig(block_size=BS))
+    short = hash_block_chain([9] * BS, BS, lora_digest="d")  # a short prompt: load and adapter alone decide
+    fresh = [ReplicaLoad("a", adapters=frozenset(), stats_age_s=1.0), ReplicaLoad("b", adapters=frozenset(), stats_age_s=1.0)]
+    first = policy.route(short, fresh, 10.0, adapter="sql").ranked[0]
+    policy.record(short, first, 10.0, adapter="sql")
+    policy.complete(first)
+    for _ in range(5):  # reports taken before the routing cannot show the adapter yet
+        assert policy.route(short, fresh, 10.5, adapter="sql").ranked[0] == first
+    newer = [ReplicaLoad(r.replica_id, adapters=frozenset(), stats_age_s=0.1) for r in fresh]
+    assert policy.route(short, newer, 12.0, adapter="sql").reason == "short_prompt"
+    assert not policy.holds_adapter(newer[0 if first == "a" else 1], "sql", 12.0)  # evicted since, per the report

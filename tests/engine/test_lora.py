@@ -1,0 +1,263 @@
+"""Multi-LoRA serving offline: adapters written by `peft`, each request's greedy tokens equal Hugging Face's
+on the base model merged with its adapter (tests/parity.py, tie-aware), in batches mixing adapters and
+the base model; slots evicted and reloaded; the prefix cache keyed by the adapter's weights; bad
+adapters refused by name while the engine goes on; tensor parallelism equal to one rank."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from engine import LLM, LoRARequest, SamplingParams
+from engine.block_hash import hash_block_chain
+from engine.lora.manager import LoRAManager
+from tests.engine.test_hf_parity import PROMPTS, _random_prompts
+from tests.lora_adapters import write_peft_adapter
+from tests.parity import assert_tokens_match, hf_greedy
+
+BASE_NAME = "pagedserve-tiny"
+NEW_TOKENS = 12
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (rank, target modules, extra LoraConfig fields): different ranks and target sets
+ADAPTERS = {
+    "everything": (8, ALL, {}),
+    "attention": (4, ["q_proj", "v_proj"], {"use_rslora": True}),
+    "mlp": (16, ["o_proj", "gate_proj", "up_proj", "down_proj"], {"lora_alpha": 8}),
+    "sparse": (8, ["k_proj", "down_proj"], {}),
+}
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+ENGINE = dict(dtype="float32", enable_lora=True, max_lora_rank=16, num_kv_blocks=256, max_model_len=400)
+LONG_PROMPT = _random_prompts(7, [70])[0]  # four full blocks of 16
+
+
+@pytest.fixture(scope="module")
+def lora_setup(hf_checkpoint, tmp_path_factory):
+    """(base checkpoint, {name: (adapter folder, merged oracle folder)})."""
+    base = hf_checkpoint("llama")
+    root = tmp_path_factory.mktemp("loras")
+    adapters = {}
+    for seed, (name, (r, targets, extra)) in enumerate(ADAPTERS.items()):
+        extra = dict(extra)
+        alpha = extra.pop("lora_alpha", None)
+        folder, merged = root / name, root / f"{name}-merged"
+        write_peft_adapter(base, folder, r, targets, seed=seed, alpha=alpha, merged=merged, **extra)
+        adapters[name] = (folder, merged)
+    return base, adapters
+
+
+def _request(adapters, name: str, int_id: int | None = None) -> LoRARequest:
+    return LoRARequest(name, int_id or list(ADAPTERS).index(name) + 1, str(adapters[name][0]))
+
+
+def _check_tokens(token_ids: list[int], token_logprobs: list[dict], prompt, oracle, what: str) -> None:
+    """Tokens equal the oracle's (ties excepted); their logprobs within 1e-4, up to a tie."""
+    tokens, logprobs = hf_greedy(str(oracle), prompt, NEW_TOKENS)
+    tie = assert_tokens_match(token_ids, tokens, logprobs, what=what)
+    for i, (token, ours) in enumerate(zip(token_ids[:tie], token_logprobs)):
+        assert ours[token].logprob == pytest.approx(logprobs[i][token].item(), abs=1e-4), f"{what}: token {i}"
+
+
+def _check(out, prompt, oracle, what: str) -> None:
+    _check_tokens(out.outputs[0].token_ids, out.outputs[0].logprobs, prompt, oracle, what)
+
+
+def _check_all(outs, prompts, names, base, adapters, what: str) -> None:
+    for prompt, out, name in zip(prompts, outs, names):
+        _check(out, prompt, base if name is None else adapters[name][1], f"{what}: {name or 'base'}, {len(prompt)} tokens")
+
+
+def test_mixed_batch_matches_merged_models(lora_setup):
+    """Three adapters of different ranks and targets and the base model in one batch."""
+    base, adapters = lora_setup
+    names = ["everything", "attention", "mlp", None] * 2
+    llm = LLM(str(base), max_loras=4, **ENGINE)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False,
+                        lora_request=[_request(adapters, n) if n else None for n in names])
+    _check_all(outs, PROMPTS, names, base, adapters, "mixed batch")
+    # Each adapter changes the output: the comparison above is not the base model's against itself.
+    plain = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
+    assert all(a.outputs[0].token_ids != b.outputs[0].token_ids for a, b in zip(outs[:3], plain))
+    assert llm.llm_engine.get_stats().num_lora_slot_loads == 3
+
+
+def test_eviction_and_reload_in_rotation(lora_setup):
+    """Four adapters through two slots: requests wait for a slot rather than fail, slots are evicted and
+    refilled, and every request still matches its merged model."""
+    base, adapters = lora_setup
+    names = [*ADAPTERS, None] * 2
+    prompts = _random_prompts(11, [20, 40, 60, 33, 17, 25, 50, 75, 100, 30])
+    llm = LLM(str(base), max_loras=2, max_cpu_loras=3, **ENGINE)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False,
+                        lora_request=[_request(adapters, n) if n else None for n in names])
+    _check_all(outs, prompts, names, base, adapters, "max_loras=2")
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_lora_slot_loads > len(ADAPTERS)  # at least one adapter was evicted and loaded again
+    pool = llm.llm_engine.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_usable_blocks
+    assert llm.llm_engine.lora_manager.pins == [0, 0]
+
+
+def test_prefix_cache_is_keyed_by_adapter_weights(lora_setup, tmp_path):
+    base, adapters = lora_setup
+    llm = LLM(str(base), max_loras=2, **ENGINE)
+
+    def run(lora: LoRARequest | None):
+        return llm.generate([LONG_PROMPT], GREEDY, use_tqdm=False, lora_request=lora)[0]
+
+    first = run(_request(adapters, "everything"))
+    assert first.num_cached_tokens == 0
+    # Neither the base model nor another adapter reads its blocks.
+    assert run(None).num_cached_tokens == 0
+    assert run(_request(adapters, "attention")).num_cached_tokens == 0
+    # The same adapter again, or under another name and id (same weights): cache hits.
+    assert run(_request(adapters, "everything")).num_cached_tokens == 64
+    alias = run(LoRARequest("alias", 42, str(adapters["everything"][0])))
+    assert alias.num_cached_tokens == 64 and alias.outputs[0].token_ids == first.outputs[0].token_ids
+
+    # New weights at the same path, under a new id, and under the old id after remove_lora: no stale hits.
+    folder = tmp_path / "reloaded"
+    shutil.copytree(adapters["everything"][0], folder)
+    v1 = run(LoRARequest("reloaded", 7, str(folder)))
+    assert v1.num_cached_tokens == 64  # same weights as "everything" so far
+    shutil.rmtree(folder)
+    write_peft_adapter(base, folder, 8, ALL, seed=99, merged=tmp_path / "reloaded-merged")
+    v2 = run(LoRARequest("reloaded", 8, str(folder)))
+    assert v2.num_cached_tokens == 0
+    _check(v2, LONG_PROMPT, tmp_path / "reloaded-merged", "reloaded adapter")
+    assert llm.llm_engine.remove_lora(8) and 8 not in llm.llm_engine.list_loras()
+    again = run(LoRARequest("reloaded", 8, str(folder)))
+    assert again.num_cached_tokens == 64 and again.outputs[0].token_ids == v2.outputs[0].token_ids
+
+
+def test_bad_adapters_are_refused_by_field_and_the_engine_goes_on(lora_setup, hf_checkpoint, tmp_path):
+    base, adapters = lora_setup
+    llm = LLM(str(base), max_loras=1, **ENGINE)
+    good = adapters["everything"][0]
+
+    def patched(name: str, **config) -> str:
+        folder = tmp_path / name
+        shutil.copytree(good, folder)
+        data = json.loads((folder / "adapter_config.json").read_text())
+        (folder / "adapter_config.json").write_text(json.dumps({**data, **config}))
+        return str(folder)
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(good, corrupt)
+    weights = corrupt / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    other_model = write_peft_adapter(hf_checkpoint("qwen3"), tmp_path / "qwen3-adapter", 8, ["q_proj"], seed=1)
+    cases = {
+        patched("dora", use_dora=True): "use_dora",
+        patched("saved", modules_to_save=["lm_head"]): "modules_to_save",
+        patched("big", r=32): "max_lora_rank=16",
+        patched("pattern", rank_pattern={"q_proj": 4}): "rank_pattern",
+        patched("unknown", target_modules=["q_proj", "wq"]): "target_modules",
+        patched("rank", r=4): "do not fit the base model",
+        str(other_model): "do not fit the base model",
+        str(corrupt): "not a readable safetensors",
+        str(tmp_path / "missing"): "not an adapter folder",
+    }
+    for i, (path, message) in enumerate(cases.items(), start=1):
+        with pytest.raises(ValueError, match=message):
+            llm.generate([LONG_PROMPT], GREEDY, use_tqdm=False, lora_request=LoRARequest(f"bad{i}", 100 + i, path))
+    with pytest.raises(ValueError, match="lora_request: this engine was started without enable_lora"):
+        LLM(str(base), dtype="float32", num_kv_blocks=64, max_model_len=256).generate([[1, 2]], lora_request=_request(adapters, "mlp"))
+    out = llm.generate([LONG_PROMPT], GREEDY, use_tqdm=False, lora_request=_request(adapters, "mlp"))[0]
+    _check(out, LONG_PROMPT, adapters["mlp"][1], "after refusals")
+
+
+def test_tensor_parallel_equals_one_rank(lora_setup):
+    """TP=2 (gloo worker processes): each rank loads its shard of every adapter (column layers their
+    rows of B, row layers their columns of A); tokens equal one rank's and logprobs are within 1e-4."""
+    base, adapters = lora_setup
+    names = ["everything", "attention", None, "mlp"]
+    loras = [_request(adapters, n) if n else None for n in names]
+    prompts = PROMPTS[:4]
+    one = LLM(str(base), max_loras=2, **ENGINE).generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    llm = LLM(str(base), max_loras=2, tensor_parallel_size=2, **ENGINE)
+    try:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    finally:
+        llm.shutdown()
+    for ref, out in zip(one, outs):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        for ours, theirs in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs):
+            for token, lp in theirs.items():
+                assert ours[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
+
+
+def test_async_llm_takes_lora_requests(lora_setup, tmp_path):
+    """AsyncLLM.generate(lora_request=...): concurrent streams of an adapter and the base model; a bad adapter
+    fails its own request (ValueError) and the engine goes on."""
+    import asyncio
+
+    from engine import AsyncLLM, EngineConfig
+
+    base, adapters = lora_setup
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "use_dora": true}')
+
+    async def collect(llm, prompt, lora):
+        tokens, logprobs = [], []
+        async for out in llm.generate(prompt, GREEDY, lora_request=lora):
+            tokens += out.outputs[0].token_ids
+            logprobs += out.outputs[0].logprobs
+        return tokens, logprobs
+
+    async def main():
+        llm = AsyncLLM(EngineConfig(model=str(base), max_loras=2, **ENGINE))
+        try:
+            results = await asyncio.gather(*(collect(llm, p, lora) for p, lora in
+                                             zip(PROMPTS[:2], [_request(adapters, "attention"), None])))
+            with pytest.raises(ValueError, match="use_dora"):
+                await collect(llm, PROMPTS[0], LoRARequest("bad", 99, str(bad)))
+            results.append(await collect(llm, PROMPTS[2], _request(adapters, "sparse")))
+            return results
+        finally:
+            llm.shutdown()
+
+    oracles = [adapters["attention"][1], base, adapters["sparse"][1]]
+    for (tokens, logprobs), prompt, oracle in zip(asyncio.run(main()), PROMPTS[:3], oracles):
+        _check_tokens(tokens, logprobs, prompt, oracle, "AsyncLLM")
+
+
+def test_slot_manager_pins_evicts_lru_and_drains():
+    from engine.lora.peft import LoRAAdapter
+
+    loads = []
+    manager = LoRAManager(None, max_loras=2, max_cpu_loras=2, max_lora_rank=8, load_slot=lambda s, a: loads.append((s, a.name)))
+    a, b, c = (LoRAAdapter(n, i, f"/{n}", 8, 1.0, n * 4, {}) for i, n in enumerate("abc", start=1))
+    alias = LoRAAdapter("a2", 9, "/a2", 8, 1.0, a.digest, {})  # same weights, another name
+    assert manager.acquire(a) == 0 and manager.acquire(b) == 1 and manager.acquire(alias) == 0
+    assert manager.acquire(c) is None  # both slots pinned: c waits
+    assert manager.draining_slot() == 1  # b's slot has fewer pins
+    assert manager.acquire(b, draining_slot=1) is None  # no new pins on the slot being drained
+    manager.release(1)
+    assert manager.acquire(c) == 1 and loads == [(0, "a"), (1, "b"), (1, "c")]
+    manager.release(0), manager.release(0), manager.release(1)
+    assert manager.acquire(b) == 0  # slot 0 is the least recently used
+
+
+def test_block_hashes_carry_the_adapter_digest():
+    tokens = list(range(40))
+    plain = hash_block_chain(tokens, 16)
+    lora = hash_block_chain(tokens, 16, lora_digest="d1")
+    assert len({plain[0], lora[0], hash_block_chain(tokens, 16, lora_digest="d2")[0]}) == 3
+    assert len(set(plain) | set(lora)) == 4  # every block differs, through the chain
+    salted = hash_block_chain(tokens, 16, cache_salt="s", lora_digest="d1")
+    assert salted[0] not in (lora[0], hash_block_chain(tokens, 16, cache_salt="s")[0])
+    assert hash_block_chain(tokens, 16, lora_digest="d1", parent_hashes=lora[:1]) == lora
+
+
+def test_lora_settings_are_checked_naming_the_field():
+    from engine import EngineConfig
+
+    with pytest.raises(ValueError, match="max_cpu_loras: 1 is below max_loras=2"):
+        EngineConfig(model=BASE_NAME, enable_lora=True, max_loras=2, max_cpu_loras=1)
+    with pytest.raises(ValueError, match="lora_request.lora_int_id: must be an int > 0"):
+        LoRARequest("a", 0, "/a")
+    with pytest.raises(ValueError, match="lora_request.lora_path"):
+        LoRARequest("a", 1, "")
