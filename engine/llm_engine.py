@@ -376,6 +376,7 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         s, kv = self.scheduler, self.scheduler.kv_cache_manager
+        expert_load = getattr(self.model_runner.model, "expert_load", None)  # MoE models count routed tokens
         return EngineStats(
             kv_cache_usage=kv.usage,
             num_running=s.num_running,
@@ -392,6 +393,7 @@ class LLMEngine:
             spec_decode_num_drafts=s.num_spec_drafts,
             spec_decode_num_draft_tokens=s.num_spec_draft_tokens,
             spec_decode_num_accepted_tokens=s.num_spec_accepted_tokens,
+            expert_tokens=tuple(expert_load.tolist()) if expert_load is not None else (),
         )
 
 

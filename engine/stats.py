@@ -26,6 +26,10 @@ class EngineStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    # Mixture-of-experts models: (token, expert) assignments routed to each expert, summed over the MoE
+    # layers (the load balance across experts; each token counts top_k times per layer). Under pipeline
+    # parallelism, the layers of the last stage only. Empty for dense models.
+    expert_tokens: tuple[int, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -1,4 +1,4 @@
-"""Built-in models: deterministic random-weight Llama checkpoints written in Hugging Face format
+"""Built-in models: deterministic random-weight Llama-family checkpoints written in Hugging Face format
 (config.json, model.safetensors, tokenizer, chat template) into a cache folder, then loaded through
 the same loader as any checkpoint. The tokenizer is the real 32k SentencePiece one that ships inside
 `mistral_common`; the weights are random, so the text is gibberish but every code path is real.
@@ -6,6 +6,11 @@ the same loader as any checkpoint. The tokenizer is the real 32k SentencePiece o
     pagedserve-tiny   ~4M parameters (hidden 64, 2 layers): tests and the default serving config
     pagedserve-56m    ~56M parameters (hidden 512, 8 layers, 8/4 heads): benchmarks; the same shape
                       as the model behind DESIGN.md's "Numbers to beat"
+    pagedserve-tiny-moe      Mixtral-style mixture of experts with pagedserve-tiny's attention: 8 experts
+                             of intermediate size 96, top-2 (tests, configs)
+    pagedserve-56m-moe       ~108M parameters, ~56M active per token: pagedserve-56m's attention, 8 experts
+                             of intermediate size 704, top-2, so that a token's two experts cost about what
+                             the dense model's MLP (1376) costs (benchmarks/moe.py)
 
 The cache folder is $PAGEDSERVE_CACHE (default ~/.cache/pagedserve); a folder's name carries a hash of
 its spec, so a changed spec materializes afresh."""
@@ -23,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.models.config import ModelConfig
-from engine.models.llama import checkpoint_shapes
+from engine.models.registry import model_class
 
 _ARCH = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
 _COMMON = {
@@ -37,6 +42,8 @@ _COMMON = {
     "initializer_range": 0.02,
     "torch_dtype": "float32",
 }
+_MOE_ARCH = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu",
+             "num_local_experts": 8, "num_experts_per_tok": 2, "router_jitter_noise": 0.0}
 BUILTIN_MODELS: dict[str, dict] = {
     "pagedserve-tiny": {
         **_ARCH, **_COMMON, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
@@ -44,6 +51,15 @@ BUILTIN_MODELS: dict[str, dict] = {
     },
     "pagedserve-56m": {
         **_ARCH, **_COMMON, "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+    },
+    # Mixtral's intermediate_size is one expert's.
+    "pagedserve-tiny-moe": {
+        **_MOE_ARCH, **_COMMON, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    },
+    "pagedserve-56m-moe": {
+        **_MOE_ARCH, **_COMMON, "hidden_size": 512, "intermediate_size": 704, "num_hidden_layers": 8,
         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
     },
 }
@@ -92,7 +108,8 @@ _TOKENIZER_CONFIG = {
 _FORMAT_VERSION = 1  # bump when the files written below change
 # Seeds of the random weights, fixed per model so that the files around them (the chat template, the
 # tokenizer's config) can change without changing the weights. A model not listed seeds from its spec.
-_WEIGHT_SEEDS = {"pagedserve-tiny": 0x24A9A3D7, "pagedserve-56m": 0x7BED96D1}
+_WEIGHT_SEEDS = {"pagedserve-tiny": 0x24A9A3D7, "pagedserve-56m": 0x7BED96D1, "pagedserve-tiny-moe": 0x5E1F0C2B,
+                 "pagedserve-56m-moe": 0x3A7C94E5}
 
 
 def cache_root() -> Path:
@@ -127,7 +144,8 @@ def write_checkpoint(path: Path, spec: dict, seed: int) -> None:
     )
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, shape in checkpoint_shapes(ModelConfig.from_dict(spec)).items():
+    cfg = ModelConfig.from_dict(spec)
+    for name, shape in model_class(cfg.architecture).checkpoint_shapes(cfg).items():
         if name.endswith("norm.weight"):
             tensors[name] = torch.ones(shape)
         else:
