@@ -101,6 +101,13 @@ class EngineConfig(BaseModel):
         1, ge=1, description="Stages the layers are split across (the first holds the embedding, the last the "
         "norm and LM head); up to this many batches are in flight so that stages overlap. May span hosts.",
     )
+    enable_expert_parallel: bool = Field(
+        False,
+        description="Mixture-of-experts models under tensor parallelism: partition the experts across the TP ranks "
+        "(num_experts / tensor_parallel_size whole experts each) instead of slicing every expert across them. Every "
+        "rank still routes every token and the partial outputs are all-reduced, as with slicing; fewer, larger "
+        "expert matmuls per rank. Refused for a model without experts.",
+    )
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = Field(
         None,
         description="Who runs the ranks: `uni` one rank in the engine's process; `mp` worker processes this "

@@ -438,6 +438,7 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         s, kv = self.scheduler, self.scheduler.kv_cache_manager
+        expert_load = getattr(self.model_runner.model, "expert_load", None)  # MoE models count routed tokens
         return EngineStats(
             kv_cache_usage=kv.usage,
             num_running=s.num_running,
@@ -459,6 +460,7 @@ class LLMEngine:
             spec_decode_num_accepted_tokens=s.num_spec_accepted_tokens,
             loaded_loras=tuple(self.lora_manager.loaded_names()) if self.lora_manager is not None else (),
             num_lora_slot_loads=self.lora_manager.num_slot_loads if self.lora_manager is not None else 0,
+            expert_tokens=tuple(expert_load.tolist()) if expert_load is not None else (),
         )
 
 

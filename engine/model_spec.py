@@ -5,7 +5,7 @@ asks live here, where the model meets the config."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -34,6 +34,8 @@ class ModelSpec:
         model_config = ModelConfig.from_pretrained(path)
         device_type = resolve_device_type(config.device)
         check_parallel_layout(config, model_config, device_type)
+        if model_config.moe is not None:  # how the experts are split is the engine's choice, read by the model
+            model_config = replace(model_config, moe=replace(model_config.moe, expert_parallel=config.enable_expert_parallel))
         dtype = resolve_dtype(config.dtype, model_config, device_type)
         quant_config = resolve_quant_config(config.quantization, model_config.quantization_config)
         if config.load_format == "dummy" and model_config.quantization_config is not None:
@@ -71,6 +73,7 @@ def check_parallel_layout(config: EngineConfig, cfg: ModelConfig, device_type: s
                          f"of it (KV heads are split, or replicated when ranks outnumber them)")
     if cfg.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size: {tp} does not divide intermediate_size={cfg.intermediate_size}")
+    check_expert_layout(config, cfg)
     if pp > cfg.num_hidden_layers:
         raise ValueError(f"pipeline_parallel_size: {pp} stages for a model of {cfg.num_hidden_layers} layers; "
                          f"use at most {cfg.num_hidden_layers}")
@@ -79,6 +82,24 @@ def check_parallel_layout(config: EngineConfig, cfg: ModelConfig, device_type: s
             raise ValueError(f"tensor_parallel_size x pipeline_parallel_size: {tp} x {pp} ranks, but torch sees "
                              f"{torch.cuda.device_count()} GPU(s) on this host; lower them or use the ray backend "
                              "across hosts")
+
+
+def check_expert_layout(config: EngineConfig, cfg: ModelConfig) -> None:
+    moe, tp = cfg.moe, config.tensor_parallel_size
+    if moe is None:
+        if config.enable_expert_parallel:
+            raise ValueError(f"enable_expert_parallel: {cfg.architecture} has no experts; leave it off")
+        return
+    if config.enable_expert_parallel:
+        if moe.num_experts % tp:
+            raise ValueError(f"tensor_parallel_size: {tp} does not divide num_experts={moe.num_experts} (expert "
+                             f"parallel); use one of {_divisors(moe.num_experts)} or turn enable_expert_parallel off")
+    elif moe.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide the experts' intermediate size "
+                         f"{moe.intermediate_size}; use one of {_divisors(moe.intermediate_size)} or enable_expert_parallel")
+    if moe.shared_expert_intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide shared_expert_intermediate_size="
+                         f"{moe.shared_expert_intermediate_size}")
 
 
 def _divisors(n: int) -> list[int]:

@@ -32,6 +32,10 @@ class EngineStats:
     # adapters loaded into device slots since start (each load reaches every rank).
     loaded_loras: tuple[str, ...] = ()
     num_lora_slot_loads: int = 0
+    # Mixture-of-experts models: (token, expert) assignments routed to each expert, summed over the MoE
+    # layers (the load balance across experts; each token counts top_k times per layer). Under pipeline
+    # parallelism, the layers of the last stage only. Empty for dense models.
+    expert_tokens: tuple[int, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -1,7 +1,9 @@
 """Engine metrics on Ray's Prometheus endpoint (ray.util.metrics), named after vLLM's so that dashboards
 and alerts carry over: `ray_pagedserve_num_requests_running` is vLLM's `vllm:num_requests_running`.
 Labels: model_name and replica. Gauges and counters follow the engine's stats snapshot; latency
-histograms are observed once per finished request."""
+histograms are observed once per finished request. Mixture-of-experts models add
+`pagedserve_moe_expert_tokens{expert}`: (token, expert) assignments per expert, summed over the MoE
+layers, whose spread is the experts' load balance (e.g. max over mean of their rates)."""
 
 from __future__ import annotations
 
@@ -58,6 +60,9 @@ class EngineMetrics:
         self.lora_requests = Counter(_PREFIX + "lora_requests", description="Requests per LoRA adapter.",
                                      tag_keys=(*_TAGS, "lora_name"))
         self._last: dict[str, int] = {name: 0 for name in _COUNTERS}
+        self.expert_tokens = Counter(_PREFIX + "moe_expert_tokens", tag_keys=(*_TAGS, "expert"),
+                                     description="Tokens routed to each expert, summed over the MoE layers.")
+        self._last_expert_tokens: list[int] = []
 
     def update(self, stats: EngineStats) -> None:
         self.running.set(stats.num_running, tags=self.tags)
@@ -68,6 +73,12 @@ class EngineMetrics:
             if value > self._last[name]:
                 self.counters[name].inc(value - self._last[name], tags=self.tags)
                 self._last[name] = value
+        last = self._last_expert_tokens
+        last.extend([0] * (len(stats.expert_tokens) - len(last)))
+        for expert, value in enumerate(stats.expert_tokens):
+            if value > last[expert]:
+                self.expert_tokens.inc(value - last[expert], tags={**self.tags, "expert": str(expert)})
+                last[expert] = value
 
     def count_lora_request(self, lora_name: str) -> None:
         self.lora_requests.inc(1, tags={**self.tags, "lora_name": lora_name})

@@ -27,7 +27,7 @@ _SMALL = dict(
 
 
 def _arch_configs():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     return {
         # Llama 3 rope scaling and tied embeddings
@@ -46,10 +46,20 @@ def _arch_configs():
         "mistral": MistralConfig(**_SMALL, sliding_window=None, tie_word_embeddings=False),
         "qwen2": Qwen2Config(**_SMALL, tie_word_embeddings=False),  # qkv bias
         "qwen3": Qwen3Config(**_SMALL, head_dim=32, tie_word_embeddings=False),  # q/k norm, head_dim != hidden/heads
+        # Mixtures of experts (tests/engine/test_moe.py): Mixtral renormalizes and keeps float32 routing weights;
+        # Qwen2-MoE does not renormalize, adds a gated shared expert and keeps layer 1 dense; Qwen3-MoE
+        # renormalizes top-4 of 8 (transformers writes its expert count as num_local_experts).
+        "mixtral": MixtralConfig(**{**_SMALL, "intermediate_size": 48}, num_local_experts=8, num_experts_per_tok=2,
+                                 sliding_window=None),
+        "qwen2_moe": Qwen2MoeConfig(**_SMALL, moe_intermediate_size=48, shared_expert_intermediate_size=96, num_experts=8,
+                                    num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1]),
+        "qwen3_moe": Qwen3MoeConfig(**_SMALL, head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=4,
+                                    norm_topk_prob=True),
     }
 
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 def write_hf_checkpoint(arch: str, path: Path, max_shard_size: str | None = None) -> Path:

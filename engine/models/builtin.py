@@ -1,4 +1,4 @@
-"""Built-in models: deterministic random-weight Llama checkpoints written in Hugging Face format
+"""Built-in models: deterministic random-weight Llama-family checkpoints written in Hugging Face format
 (config.json, model.safetensors, tokenizer, chat template) into a cache folder, then loaded through
 the same loader as any checkpoint. The tokenizer is the real 32k SentencePiece one that ships inside
 `mistral_common`; the weights are random, so the text is gibberish but every code path is real.
@@ -8,6 +8,11 @@ the same loader as any checkpoint. The tokenizer is the real 32k SentencePiece o
                       as the model behind DESIGN.md's "Numbers to beat"
     pagedserve-600m   ~600M parameters (hidden 1536, 20 layers, 12/4 heads): benchmarks where the decoder's
                       weights, not the LM head, make most of the bytes a decode step reads (quantization)
+    pagedserve-tiny-moe      Mixtral-style mixture of experts with pagedserve-tiny's attention: 8 experts
+                             of intermediate size 96, top-2 (tests, configs)
+    pagedserve-56m-moe       ~108M parameters, ~56M active per token: pagedserve-56m's attention, 8 experts
+                             of intermediate size 704, top-2, so that a token's two experts cost about what
+                             the dense model's MLP (1376) costs (benchmarks/moe.py)
 
 The cache folder is $PAGEDSERVE_CACHE (default ~/.cache/pagedserve); a folder's name carries a hash of
 its spec, so a changed spec materializes afresh."""
@@ -25,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.models.config import ModelConfig
-from engine.models.llama import checkpoint_shapes
+from engine.models.registry import model_class
 
 _ARCH = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
 _COMMON = {
@@ -39,6 +44,8 @@ _COMMON = {
     "initializer_range": 0.02,
     "torch_dtype": "float32",
 }
+_MOE_ARCH = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu",
+             "num_local_experts": 8, "num_experts_per_tok": 2, "router_jitter_noise": 0.0}
 BUILTIN_MODELS: dict[str, dict] = {
     "pagedserve-tiny": {
         **_ARCH, **_COMMON, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
@@ -51,6 +58,15 @@ BUILTIN_MODELS: dict[str, dict] = {
     "pagedserve-600m": {
         **_ARCH, **_COMMON, "hidden_size": 1536, "intermediate_size": 4096, "num_hidden_layers": 20,
         "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 128,
+    },
+    # Mixtral's intermediate_size is one expert's.
+    "pagedserve-tiny-moe": {
+        **_MOE_ARCH, **_COMMON, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    },
+    "pagedserve-56m-moe": {
+        **_MOE_ARCH, **_COMMON, "hidden_size": 512, "intermediate_size": 704, "num_hidden_layers": 8,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
     },
 }
 
@@ -98,7 +114,8 @@ _TOKENIZER_CONFIG = {
 _FORMAT_VERSION = 1  # bump when the files written below change
 # Seeds of the random weights, fixed per model so that the files around them (the chat template, the
 # tokenizer's config) can change without changing the weights. A model not listed seeds from its spec.
-_WEIGHT_SEEDS = {"pagedserve-tiny": 0x24A9A3D7, "pagedserve-56m": 0x7BED96D1, "pagedserve-600m": 0x600D5EED}
+_WEIGHT_SEEDS = {"pagedserve-tiny": 0x24A9A3D7, "pagedserve-56m": 0x7BED96D1, "pagedserve-600m": 0x600D5EED,
+                 "pagedserve-tiny-moe": 0x5E1F0C2B, "pagedserve-56m-moe": 0x3A7C94E5}
 
 
 def cache_root() -> Path:
@@ -133,7 +150,8 @@ def write_checkpoint(path: Path, spec: dict, seed: int) -> None:
     )
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, shape in checkpoint_shapes(ModelConfig.from_dict(spec)).items():
+    cfg = ModelConfig.from_dict(spec)
+    for name, shape in model_class(cfg.architecture).checkpoint_shapes(cfg).items():
         if name.endswith("norm.weight"):
             tensors[name] = torch.ones(shape)
         else:

@@ -76,13 +76,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, quant_config: QuantizationConfig | None, prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, quant_config: QuantizationConfig | None, prefix: str,
+                 intermediate_size: int | None = None, reduce_results: bool = True) -> None:
+        """`intermediate_size` other than the config's and `reduce_results=False` (partial sums left to the
+        caller's all-reduce) serve MoE shared experts."""
         super().__init__()
-        size = cfg.intermediate_size
+        size = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], bias=cfg.mlp_bias,
                                                        quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias, quant_config=quant_config,
-                                           prefix=f"{prefix}.down_proj")
+                                           prefix=f"{prefix}.down_proj", reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -95,7 +98,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, rope, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, quant_config, f"{prefix}.mlp")
+        self.mlp = self.make_mlp(cfg, quant_config, f"{prefix}.mlp")
+
+    def make_mlp(self, cfg: ModelConfig, quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
+        """The feed-forward block (a mixture-of-experts decoder overrides this)."""
+        return MLP(cfg, quant_config, prefix)
 
     def forward(self, positions, x, residual, backend):
         if residual is None:
@@ -109,7 +116,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, quant_config: QuantizationConfig | None, prefix: str = "model") -> None:
+    def __init__(self, cfg: ModelConfig, quant_config: QuantizationConfig | None, prefix: str = "model",
+                 layer_cls: type[DecoderLayer] = DecoderLayer) -> None:
         super().__init__()
         pp = get_pp_group()
         self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
@@ -118,7 +126,7 @@ class LlamaModel(nn.Module):
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         # Other stages' layers are placeholders, so that parameter names keep the checkpoint's indices.
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rope, quant_config, f"{prefix}.layers.{i}") if self.start_layer <= i < self.end_layer
+            layer_cls(cfg, rope, quant_config, f"{prefix}.layers.{i}") if self.start_layer <= i < self.end_layer
             else nn.Identity()
             for i in range(cfg.num_hidden_layers)
         )
@@ -146,13 +154,14 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    decoder_layer_cls: type[DecoderLayer] = DecoderLayer
 
     def __init__(self, cfg: ModelConfig, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = cfg
         if quant_config is not None:
             quant_config.fused_modules = self.fused_modules()
-        self.model = LlamaModel(cfg, quant_config)
+        self.model = LlamaModel(cfg, quant_config, layer_cls=self.decoder_layer_cls)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if self.model.is_last_stage else None
         if cfg.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.tie_to(self.model.embed_tokens)
@@ -173,6 +182,11 @@ class LlamaForCausalLM(nn.Module):
         for hf, (ours, shard) in sorted(cls.packed_modules.items(), key=lambda item: item[1]):
             fused.setdefault(ours, []).append(hf)
         return fused
+
+    @staticmethod
+    def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Names and full shapes of this architecture's checkpoint tensors (dummy and built-in weights)."""
+        return checkpoint_shapes(cfg)
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -276,7 +290,7 @@ def dummy_checkpoint(model: LlamaForCausalLM, seed: int) -> Iterable[tuple[str, 
     """Random weights at the checkpoint's full shapes, drawn per tensor name: every parallel layout of an
     engine sees the same model (norms 1, biases 0, the rest normal with the config's initializer_range)."""
     std = model.config.initializer_range
-    for name, shape in checkpoint_shapes(model.config).items():
+    for name, shape in model.checkpoint_shapes(model.config).items():
         if name.endswith("norm.weight"):
             yield name, CheckpointTensor.of(torch.ones(shape))
         elif name.endswith(".bias"):

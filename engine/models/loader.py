@@ -11,6 +11,7 @@ from engine.models.checkpoint import iter_checkpoint
 from engine.models.config import ModelConfig
 from engine.models.layers.quantization import QuantizationConfig
 from engine.models.llama import LlamaForCausalLM, dummy_checkpoint
+from engine.models.registry import model_class
 
 # What a serving engine needs from a hub repo; skips .bin/.pth/.gguf duplicates of the weights.
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "*.tiktoken"]
@@ -53,7 +54,7 @@ def build_model(
     torch.set_default_dtype(dtype)  # parameters in the target dtype; rope tables stay float32
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, quant_config)
+            model = model_class(cfg.architecture)(cfg, quant_config)
     finally:
         torch.set_default_dtype(default_dtype)
     with torch.no_grad():

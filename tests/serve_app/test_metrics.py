@@ -36,3 +36,26 @@ def test_engine_metrics_on_the_prometheus_endpoint(serve_app_url):
     line = next(line for line in text.splitlines() if line.startswith("ray_pagedserve_generation_tokens"))
     assert 'model_name="pagedserve-tiny"' in line and "replica=" in line
     assert float(line.rsplit(" ", 1)[1]) >= 15
+
+
+def test_moe_expert_load_on_the_prometheus_endpoint(ray_session):
+    """A mixture-of-experts engine's tokens per expert (EngineStats.expert_tokens) become a counter per expert."""
+    import ray
+
+    from engine.stats import EngineStats
+    from serve_app.metrics import EngineMetrics
+
+    metrics = EngineMetrics("moe-metrics-test", "r0")
+    snapshot = dict(kv_cache_usage=0.0, num_running=0, num_waiting=0, num_kv_blocks=8, block_size=16)
+    metrics.update(EngineStats(**snapshot, expert_tokens=(5, 0, 7)))
+    metrics.update(EngineStats(**snapshot, expert_tokens=(9, 2, 7)))
+    node = ray._private.worker.global_worker.node
+    url = f"http://{node.node_ip_address}:{node.metrics_export_port}/metrics"
+
+    def scrape() -> dict[str, float] | None:
+        lines = [line for line in httpx.get(url, timeout=5).text.splitlines()
+                 if line.startswith("ray_pagedserve_moe_expert_tokens") and 'model_name="moe-metrics-test"' in line]
+        counts = {line.split('expert="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in lines}
+        return counts if len(counts) == 3 else None
+
+    assert wait_for(scrape, timeout=60, interval=1.0) == {"0": 9.0, "1": 2.0, "2": 7.0}

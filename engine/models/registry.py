@@ -1,0 +1,23 @@
+"""Which decoder class runs each supported architecture (engine/models/config.py parses their configs)."""
+
+from __future__ import annotations
+
+from engine.models.llama import LlamaForCausalLM
+from engine.models.moe import MoEForCausalLM
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MoEForCausalLM,
+    "Qwen2MoeForCausalLM": MoEForCausalLM,
+    "Qwen3MoeForCausalLM": MoEForCausalLM,
+}
+
+
+def model_class(architecture: str) -> type[LlamaForCausalLM]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(f"model: no decoder for {architecture!r}; supported: {', '.join(MODEL_REGISTRY)}") from None
