@@ -719,7 +719,8 @@ def test_request_routers_resolve(serve_config):
 
 @functools.cache
 def engine_metrics() -> dict[str, str]:
-    """name (as Ray exports it, `ray_` + ours) -> kind, from serve_app/metrics.py itself."""
+    """name (as Ray exports it, `ray_` + ours) -> kind, from serve_app/metrics.py itself (an engine replica's
+    metrics, and a decode replica's disaggregation metrics)."""
     import serve_app.metrics as m
 
     found: dict[str, str] = {}
@@ -736,6 +737,7 @@ def engine_metrics() -> dict[str, str]:
         for kind in saved:
             setattr(m, kind, recorder(kind))
         m.EngineMetrics("model", "replica")
+        m.DisaggregationMetrics("model", "replica")
     finally:
         for kind, cls in saved.items():
             setattr(m, kind, cls)

@@ -127,3 +127,21 @@ def test_engine_quantization_passes_through_to_the_engine():
     assert AppArgs.model_validate(config["args"]).engine_config().quantization == "int8"
     with pytest.raises(ValueError, match="quantization"):
         AppArgs.model_validate({"engine": {"quantization": "nf4"}}).engine_config()
+
+
+def test_disaggregation_sizes_each_pool_and_gives_each_its_engine_and_signals():
+    pd = {"disaggregation": {"prefill": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}},
+                             "decode": {"num_replicas": 2, "engine": {"max_num_seqs": 8}}}}
+    args = AppArgs.model_validate({"engine": {"max_num_seqs": 32}, **pd})
+    prefill, decode = args.engine_config("prefill"), args.engine_config("decode")
+    assert prefill.kv_transfer_config.kv_role == "kv_producer" and decode.kv_transfer_config.kv_role == "kv_consumer"
+    assert (prefill.max_num_seqs, decode.max_num_seqs) == (32, 8)
+    policy = args.engine_autoscaling_config("prefill")["policy"]["policy_kwargs"]
+    assert policy["target_queued_prefill_tokens"] and policy["target_kv_cache_usage"] is None
+    assert args.engine_autoscaling_config("decode") is None
+    with pytest.raises(ValueError, match="num_replicas: with `disaggregation` set, size each pool"):
+        AppArgs.model_validate({"num_replicas": 2, **pd})
+    with pytest.raises(ValueError, match="router: disaggregation needs `prefix`"):
+        AppArgs.model_validate({"router": "pow2", **pd})
+    with pytest.raises(ValueError, match="min_replicas: a pool may not scale to 0"):
+        AppArgs.model_validate({"disaggregation": {"decode": {"autoscaling_config": {"min_replicas": 0}}}})
