@@ -33,6 +33,7 @@ from benchmarks.parallel import decode_step
 from benchmarks.throughput import run_hf_static, run_ours, workload
 from engine import LLM
 from engine.models.builtin import BUILTIN_MODELS, materialize_builtin
+from engine.models.loader import weight_bytes
 
 MOE, SAME_ACTIVE = "pagedserve-56m-moe", "pagedserve-56m"
 BATCHES = [1, 8, 32]
@@ -53,7 +54,8 @@ def same_total_dense(folder: Path) -> Path:
 
 
 def params_m(llm: LLM) -> float:
-    return sum(p.numel() for p in llm.llm_engine.model_runner.model.parameters()) / 1e6
+    """Millions of float32 weights held (weight_bytes counts the dense layers' prepacked buffers too)."""
+    return weight_bytes(llm.llm_engine.model_runner.model) / 4 / 1e6
 
 
 def main() -> None:

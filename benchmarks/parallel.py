@@ -3,7 +3,7 @@ model in float32: decode step time at batch 1 and 32, the driver's share of it i
 the logits gather, and under PP the wait for the previous stage's hidden states), the weight bytes each rank
 holds, and output tokens/s on benchmarks/throughput.py's workload.
 
-    python benchmarks/parallel.py [--num-requests 100]
+    python -m benchmarks.parallel [--num-requests 100]
 
 On a 2-core CPU this measures what splitting costs, not a speed-up: the host's cores are shared out among
 the ranks (one thread each at TP=2), and every layer adds two gloo all-reduces through the kernel's TCP

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import sys
@@ -86,7 +87,7 @@ SIM_LINK = KVLink(10.0, 0.005)  # simulate_pd.py's assumption for Ray's object s
 ARMS = ("colocated", "P/D")
 
 
-def app_config(model: str, arm: str) -> dict:
+def app_config(model: str, arm: str, pd_args: dict | None = None) -> dict:
     engine = {"max_model_len": 2048, "num_kv_blocks": NUM_KV_BLOCKS, "num_threads": 1, "enable_chunked_prefill": True,
               "max_num_batched_tokens": CHUNK}
     args = {"model": model, "router": "prefix", "engine": engine, "stream_coalesce_cpu_pressure": None}
@@ -95,7 +96,7 @@ def app_config(model: str, arm: str) -> dict:
         engines = ["LLMServer"]
     else:
         args["disaggregation"] = {"min_uncached_prompt_tokens": MIN_UNCACHED_PROMPT_TOKENS,
-                                  "prefill": {"num_replicas": 1}, "decode": {"num_replicas": 1}}
+                                  "prefill": {"num_replicas": 1}, "decode": {"num_replicas": 1}, **(pd_args or {})}
         engines = ["PrefillServer", "DecodeServer"]
     return {"proxy_location": "HeadOnly",
             "applications": [{"name": APP, "route_prefix": "/", "import_path": "serve_app.app:build_app", "args": args,
@@ -177,12 +178,13 @@ async def load(url: str, model: str, workload: list[SimRequest]) -> tuple[list[R
     return results, duration, failed
 
 
-def run_arm(arm: str, model: str, workload: list[SimRequest], port: int, log: Path | None) -> ArmRun:
+def run_arm(arm: str, model: str, workload: list[SimRequest], port: int, log: Path | None,
+            pd_args: dict | None = None) -> ArmRun:
     gcs_port = port + 3000
     # The app's Ray is ours alone and lives for one arm: its GCS at a port we know, and without token auth
     # (a new local Ray turns it on by default) so that pd_stats' driver joins it as is, token-less.
     env = {"RAY_GCS_SERVER_PORT": str(gcs_port), "RAY_AUTH_MODE": "disabled"}
-    with serve_run(app_config(model, arm), port, log=log, env=env) as app:
+    with serve_run(app_config(model, arm, pd_args), port, log=log, env=env) as app:
         asyncio.run(warm_up(app.url, model))
         before = pd_stats(gcs_port) if arm == "P/D" else {}
         results, duration, failed = asyncio.run(load(app.url, model, workload))
@@ -287,7 +289,8 @@ def report(args, workload: Workload, live: dict[str, list[ArmRun]], sim: dict | 
           f"{SHAPE.chat_output} tok) and {len(workload.requests) - n_chat} long ones ({args.long_rate:g}/s, "
           f"{SHAPE.long_prompt}-token prompts, {SHAPE.long_output}-token answers), streamed, greedy, ignore_eos. "
           f"Engines: one thread, {CHUNK}-token chunked prefill, {NUM_KV_BLOCKS} KV blocks; colocated router: prefix; "
-          f"P/D min_uncached_prompt_tokens {MIN_UNCACHED_PROMPT_TOKENS}. Transfers: means over the measured window "
+          f"P/D min_uncached_prompt_tokens {MIN_UNCACHED_PROMPT_TOKENS}{', ' + json.dumps(args.pd_args) if args.pd_args else ''}. "
+          f"Transfers: means over the measured window "
           f"(decode replica's pd_stats).\n")
     print(HEADER)
     for arm in ARMS:
@@ -328,6 +331,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8350)
     parser.add_argument("--log-dir", type=Path, help="keep each app's `serve run` output here")
     parser.add_argument("--smoke", action="store_true", help="30 s of arrivals per arm, one round")
+    parser.add_argument("--pd-args", type=json.loads, default={},
+                        help='more `disaggregation:` fields for the P/D arm, as JSON, e.g. \'{"transfer_timeout_s": 120}\'')
     args = parser.parse_args()
     if args.smoke:
         args.duration, args.rounds = 30.0, 1
@@ -339,7 +344,7 @@ def main() -> None:
             log = args.log_dir / f"{arm.replace('/', '')}-{i}.log" if args.log_dir else None
             if log:
                 log.parent.mkdir(parents=True, exist_ok=True)
-            live[arm].append(run_arm(arm, args.model, workload.requests, args.port, log))
+            live[arm].append(run_arm(arm, args.model, workload.requests, args.port, log, args.pd_args))
             print(f"[{arm} round {i + 1}: {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
     sim = simulated(args.model, workload, args.duration) if args.model == FITTED_MODEL else None
     report(args, workload, live, sim)
