@@ -69,10 +69,18 @@ def generate(schema, cases: int, seed: int, on_case: Callable[[Case], None]) -> 
         def collect(case: Case) -> None:
             on_case(case)
 
-        try:
-            collect()
-        except hypothesis.errors.Unsatisfiable:
-            pass  # nothing invalid to say to an operation without input
+        for attempt in range(3):
+            try:
+                collect()
+            except hypothesis.errors.Unsatisfiable:
+                pass  # nothing invalid to say to an operation without input
+            except RuntimeError as e:
+                # Hypothesis describes a strategy by iterating sys.modules unguarded (lambda_sources.py) while
+                # the sender threads may import lazily: a race in the generator, not a finding. Draw again.
+                if "changed size during iteration" not in str(e) or attempt == 2:
+                    raise
+                continue
+            break
 
 
 def steer(case: Case, model: str, rng: random.Random, max_tokens_cap: int | None) -> None:
