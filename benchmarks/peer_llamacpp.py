@@ -32,7 +32,6 @@ from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -85,18 +84,7 @@ def llama_server(llama: llamacpp.LlamaCpp, gguf: Path, slots: int, threads: int,
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited ({proc.returncode}): {' '.join(cmd)}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("llama-server did not become healthy")
-            time.sleep(0.3)
+        serve_process.wait_healthy(proc, url, 120, f"llama-server ({' '.join(cmd)})", poll_s=0.3)
         yield url
     finally:
         proc.terminate()

@@ -117,25 +117,30 @@ def serve_run(config: dict, port: int, ready_timeout_s: float = 300, log: Path |
                             stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"serve run exited ({proc.returncode}) before the app was healthy"
-                                   + (f"; see {log}" if log else ""))
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("serve run: the app did not become healthy in time")
-            time.sleep(0.5)
+        wait_healthy(proc, url, ready_timeout_s, "serve run" + (f" (see {log})" if log else ""))
         yield ServeApp(url, proc)
     finally:
         stop(proc)
         os.unlink(f.name)
         if log:
             out.close()
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, what: str, poll_s: float = 0.5) -> None:
+    """Until `url`/health answers 200; raises when the server process `proc` (named `what`) exits first or
+    `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited ({proc.returncode}) before it was healthy")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not become healthy within {timeout_s:.0f} s")
+        time.sleep(poll_s)
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 60) -> None:
