@@ -10,12 +10,14 @@ error object (OpenAI's `{"error": {message, type, param, code}}`, Anthropic's `{
 {type, message}}` on /v1/messages); JSON bodies conform to the schema; streams are well-formed. Then
 no replica restarted, /health is 200 and the engines are idle with every KV block free. Prints a table
 (route, cases, 2xx, 4xx, 5xx, bad bodies) and a curl reproduction of every failing case; exits 1 on any.
+
+Before the end-state checks it also runs benchmarks/text_fuzz.py's whole sweep: its fixed hostile texts
+and HOSTILE_DRAWS seeded random ones in every text field of every generating route (its own table).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import threading
@@ -38,11 +40,13 @@ import schemathesis
 from hypothesis import HealthCheck, Phase
 from schemathesis import Case, GenerationMode
 
-from benchmarks import live_app
+from benchmarks import live_app, text_fuzz
+from benchmarks.api_answers import error_body_problem, stream_problem
 
 _METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 _GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
 _TIMEOUT_S = 300
+HOSTILE_DRAWS = 20  # random texts (benchmarks/text_fuzz.py's drawn_texts) besides its fixed hostile ones
 
 
 @dataclass(frozen=True)
@@ -101,43 +105,6 @@ def steer(case: Case, model: str, rng: random.Random, max_tokens_cap: int | None
             body[key] = min(value, max_tokens_cap)
     if case.operation.path == "/v1/chat/completions" and body.get("max_tokens") is None:
         body["max_tokens"] = max_tokens_cap  # unset, a chat request may fill the whole context
-
-
-def error_body_problem(path: str, status: int, body: object) -> str | None:
-    """Why a 4xx body is not the documented error object, or None."""
-    if path.startswith("/v1/messages"):
-        ok = (isinstance(body, dict) and set(body) == {"type", "error"} and body["type"] == "error"
-              and isinstance(body["error"], dict) and set(body["error"]) == {"type", "message"}
-              and isinstance(body["error"]["type"], str) and isinstance(body["error"]["message"], str)
-              and body["error"]["message"])
-    else:
-        error = body.get("error") if isinstance(body, dict) else None
-        ok = (isinstance(error, dict) and set(body) == {"error"} and set(error) == {"message", "type", "param", "code"}
-              and isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
-              and all(error[k] is None or isinstance(error[k], str) for k in ("param", "code")))
-    return None if ok else f"{status} without the documented error object: {str(body)[:200]}"
-
-
-def stream_problem(path: str, text: str, cut_short: bool) -> str | None:
-    """Why a server-sent event stream is malformed or carries a server error, or None. A stream the
-    client cut short (schemathesis reads 20 events at most) has no end to check."""
-    data = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
-    if not data:
-        return "empty stream"
-    anthropic = path.startswith("/v1/messages")
-    if not anthropic and not cut_short and data[-1] != "[DONE]":
-        return "stream does not end with [DONE]"
-    for item in data if anthropic or cut_short else data[:-1]:
-        try:
-            event = json.loads(item)
-        except json.JSONDecodeError:
-            return f"stream event is not JSON: {item[:200]}"
-        error = event.get("error") if isinstance(event, dict) else None
-        if isinstance(error, dict) and error.get("type") in ("server_error", "api_error"):
-            return f"server error in the stream: {error.get('message')}"
-    if anthropic and not cut_short and json.loads(data[-1]).get("type") != "message_stop":
-        return "stream does not end with message_stop"
-    return None
 
 
 def check(case: Case, response: schemathesis.Response) -> str | None:
@@ -228,10 +195,13 @@ class FuzzReport:
     restarts: list[str]
     health_status: int
     idle: bool
+    text_outcomes: list[text_fuzz.TextOutcome]
 
     @property
     def failures(self) -> list[Outcome]:
-        return [o for o in self.outcomes if o.problem is not None]
+        texts = [Outcome(f"{o.case.route} {o.case.field} <- {o.case.text_name}", o.status, o.problem, o.case.reproduce)
+                 for o in self.text_outcomes]
+        return [o for o in self.outcomes + texts if o.problem is not None]
 
     @property
     def ok(self) -> bool:
@@ -239,8 +209,9 @@ class FuzzReport:
 
 
 def fuzz(base_url: str, cases: int, concurrency: int, seed: int = 0, max_tokens_cap: int | None = None,
-         app: str = live_app.APP) -> FuzzReport:
-    """The whole fuzz against a live app: every check above and the app's state afterwards."""
+         app: str = live_app.APP, hostile_texts: bool = False) -> FuzzReport:
+    """The whole fuzz against a live app: every check above, then (`hostile_texts`) the whole sweep of
+    benchmarks/text_fuzz.py, and the app's state afterwards."""
     before = live_app.replicas(app)
     schema = schemathesis.openapi.from_url(base_url + "/openapi.json")
     model = requests.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -257,11 +228,16 @@ def fuzz(base_url: str, cases: int, concurrency: int, seed: int = 0, max_tokens_
         generate(schema, cases, seed, submit)
         outcomes = [f.result() for f in futures]
     outcomes += probe_other_methods(base_url, schema)
+    if hostile_texts:
+        texts = {**text_fuzz.HOSTILE_TEXTS, **text_fuzz.drawn_texts(HOSTILE_DRAWS, seed)}
+        text_outcomes = text_fuzz.run(base_url, text_fuzz.cases(model, texts), concurrency)
+    else:
+        text_outcomes = []
     deadline = time.monotonic() + 60
     while not (idle := all(load.idle for load in live_app.engine_loads(app))) and time.monotonic() < deadline:
         time.sleep(0.5)
     health = requests.get(base_url + "/health", timeout=30).status_code
-    return FuzzReport(outcomes, live_app.restarts(before, live_app.replicas(app)), health, idle)
+    return FuzzReport(outcomes, live_app.restarts(before, live_app.replicas(app)), health, idle, text_outcomes)
 
 
 def main() -> None:
@@ -276,12 +252,13 @@ def main() -> None:
     base_url = live_app.start(args.port, {"max_model_len": args.max_model_len, "num_kv_blocks": 512, "num_threads": 1})
     try:
         start = time.perf_counter()
-        report = fuzz(base_url, args.cases, args.concurrency, args.seed, args.max_tokens_cap)
+        report = fuzz(base_url, args.cases, args.concurrency, args.seed, args.max_tokens_cap, hostile_texts=True)
         elapsed = time.perf_counter() - start
     finally:
         live_app.stop()
     print(table(report.outcomes))
-    print(f"\n{len(report.outcomes)} requests in {elapsed:.0f} s; replica restarts: {report.restarts or 'none'}; "
+    print("\nHostile text in every text field (benchmarks/text_fuzz.py):\n" + text_fuzz.table(report.text_outcomes))
+    print(f"\n{len(report.outcomes) + len(report.text_outcomes)} requests in {elapsed:.0f} s; replica restarts: {report.restarts or 'none'}; "
           f"/health after: {report.health_status}; engines idle, KV free: {report.idle}")
     for o in report.failures:
         print(f"\nFAIL {o.route}: {o.problem}\n  {o.reproduce}")

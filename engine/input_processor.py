@@ -15,7 +15,8 @@ from engine.lora.request import LoRARequest
 from engine.models.config import ModelConfig
 from engine.models.loader import resolve_model_path
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import load_tokenizer
+from engine.text_validation import check_text
+from engine.tokenizer import load_tokenizer, max_chars_per_token
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,17 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
     return config.max_model_len
 
 
+def text_chars(value) -> int:
+    """Characters of all the text in a str, or in lists and dicts of them (a chat's messages)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_chars(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(text_chars(v) for v in value)
+    return 0
+
+
 class InputProcessor:
     """Thread-safe: it holds no per-request state."""
 
@@ -64,6 +76,10 @@ class InputProcessor:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        # A text longer than this cannot fit max_model_len tokens under any tokenization: refused before
+        # paying to tokenize it (a megabyte prompt costs a CPU-second). None: the tokenizer gives no bound.
+        chars_per_token = max_chars_per_token(tokenizer)
+        self.max_prompt_chars = max_model_len * chars_per_token if chars_per_token else None
         self._request_counter = itertools.count()
 
     @classmethod
@@ -79,6 +95,8 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
+            check_text("prompt", prompt)
+            self._check_length("prompt", len(prompt))
             return self.tokenizer.encode(prompt)
         ids = list(prompt)
         if not ids:
@@ -95,13 +113,29 @@ class InputProcessor:
             raise ValueError("messages: must not be empty")
         if self.tokenizer.chat_template is None:
             raise ValueError(f"messages: the tokenizer of {self.config.model} has no chat template")
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **kwargs
+        check_text("messages", messages)
+        check_text("chat_template_kwargs", kwargs)
+
+        def render(**how):
+            try:
+                return self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=add_generation_prompt, **how, **kwargs)
+            except Exception as e:  # jinja errors: a role the template rejects, a missing field
+                raise ValueError(f"messages: the chat template rejected them: {e}") from e
+
+        if self.max_prompt_chars is not None and text_chars(messages) + text_chars(kwargs) > self.max_prompt_chars:
+            # Perhaps too long: measure the rendered text (cheap) before tokenizing it. Only then, and
+            # not the messages themselves, because a template may leave content out (earlier reasoning).
+            self._check_length("messages", len(render(tokenize=False)), "the chat prompt (messages, system prompt and tools)")
+        return list(render(tokenize=True, return_dict=False))
+
+    def _check_length(self, param: str, num_chars: int, what: str = "the prompt") -> None:
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            raise ValueError(
+                f"{param}: {what} has {num_chars} characters, which cannot fit in max_model_len={self.max_model_len} tokens (one token "
+                f"of this tokenizer covers at most {self.max_prompt_chars // self.max_model_len} characters); "
+                "shorten the prompt"
             )
-        except Exception as e:  # jinja errors: a role the template rejects, a missing field
-            raise ValueError(f"messages: the chat template rejected them: {e}") from e
-        return list(ids)
 
     def prepare_request(
         self,

@@ -11,7 +11,9 @@ from functools import cached_property
 from typing import Any
 
 import jsonschema
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from engine.text_validation import ValidTextModel
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily, as in vLLM
 MAX_LOGPROBS = 20
@@ -36,7 +38,7 @@ def check_json_schema(schema: Any) -> None:
         raise ValueError(f"not a valid JSON schema at {where}: {e.message}") from None
 
 
-class StructuredOutputsParams(BaseModel):
+class StructuredOutputsParams(ValidTextModel):
     """Constrain the output to a format (vLLM's names): exactly one of a JSON schema, any JSON object, a
     regular expression, one of a list of strings, an EBNF grammar (xgrammar's dialect, GBNF-like), or a
     structural tag (xgrammar's: free text in which a trigger starts a constrained region). JSON is
@@ -138,7 +140,7 @@ class StructuredOutputsParams(BaseModel):
 _KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
-class SamplingParams(BaseModel):
+class SamplingParams(ValidTextModel):
     """How to sample one request, with vLLM/OpenAI semantics. Invalid values raise a pydantic
     ValidationError (a ValueError) naming the parameter."""
 

@@ -1,10 +1,19 @@
-"""Tokenizer loading: the Hugging Face fast tokenizer of the checkpoint (or of `tokenizer`)."""
+"""Tokenizer loading (the Hugging Face fast tokenizer of the checkpoint, or of `tokenizer`), and what
+the tokenizer lets us know about a text's length in tokens before paying to tokenize it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# Normalizers by the most they can shrink a text (NFC/NFKC compose at most four code points into one:
+# U+1FAF is Omega and three combining marks; the others map or expand). One not listed (Strip,
+# StripAccents, Bert's clean_text) may delete characters: no bound then.
+_NORMALIZER_SHRINK = {"NFC": 4, "NFKC": 4, "NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1}
+# Pre-tokenizers that keep every character; Whitespace, WhitespaceSplit and Bert's drop the spaces.
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
 
 
 def load_tokenizer(name_or_path: str | Path, revision: str | None = None) -> PreTrainedTokenizerBase:
@@ -12,3 +21,55 @@ def load_tokenizer(name_or_path: str | Path, revision: str | None = None) -> Pre
         return AutoTokenizer.from_pretrained(str(name_or_path), revision=revision)
     except (OSError, ValueError) as e:
         raise ValueError(f"tokenizer: cannot load a tokenizer from {name_or_path!s}: {e}") from e
+
+
+def max_chars_per_token(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The most characters of input text one token can stand for, so that a text of more than
+    `max_model_len x this` characters is known too long without tokenizing it; None when the tokenizer
+    gives no such bound (a normalizer or pre-tokenizer that deletes characters, unknown characters
+    fused into one token, an added token that swallows the whitespace around it, a tokenizer that is
+    not a Rust `tokenizers` one).
+
+    A token's string in the vocabulary is at least as long as the text it covers: byte-level BPE
+    writes one character per byte, SentencePiece one per character ("▁" for a space), byte fallback
+    six per byte ("<0xE2>"), WordPiece adds "##"; added tokens match their own content."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    model = spec.get("model", {})
+    if (shrink is None or not _keeps_characters(spec.get("pre_tokenizer"))
+            or any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens", ()))
+            or (model.get("type") == "Unigram" or model.get("fuse_unk")) and not model.get("byte_fallback")):
+        return None
+    longest = max(len(token) for token in tokenizer.get_vocab())
+    if model.get("type") == "WordPiece":  # an unknown word of up to this many characters is one [UNK]
+        longest = max(longest, model.get("max_input_chars_per_word", 100))
+    return shrink * longest
+
+
+def _normalizer_shrink(normalizer: dict | None) -> int | None:
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for inner in normalizer.get("normalizers", ()):
+            inner_factor = _normalizer_shrink(inner)
+            if inner_factor is None:
+                return None
+            factor *= inner_factor
+        return factor
+    if kind == "Replace":  # SentencePiece's " " -> "▁": a plain string for a non-empty one
+        pattern, content = normalizer.get("pattern", {}).get("String"), normalizer.get("content", "")
+        return -(-len(pattern) // len(content)) if pattern and content else None
+    return _NORMALIZER_SHRINK.get(kind)
+
+
+def _keeps_characters(pre_tokenizer: dict | None) -> bool:
+    if pre_tokenizer is None:
+        return True
+    if pre_tokenizer.get("type") == "Sequence":
+        return all(_keeps_characters(p) for p in pre_tokenizer.get("pretokenizers", ()))
+    return pre_tokenizer.get("type") in _KEEPING_PRE_TOKENIZERS and pre_tokenizer.get("behavior") != "Removed"

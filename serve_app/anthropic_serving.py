@@ -212,13 +212,13 @@ class AnthropicServing:
         except ValueError as e:  # pydantic.ValidationError; MessagesRequest's own checks make it unlikely
             raise from_exception(e) from e
 
-    def count_tokens(self, req: Conversation) -> MessageTokensCount:
+    async def count_tokens(self, req: Conversation) -> MessageTokensCount:
         """The prompt tokens `req` would cost as a Messages request, tools included (nothing reaches the
         engine)."""
         self.openai.check_model(req.model)
         chat = self.chat_request(req)
         plan_tools(chat, self.openai.tool_parser)  # the same checks as a message: a bad tool_choice is a 400
-        return MessageTokensCount(input_tokens=len(self.openai.chat_prompt(chat).token_ids))
+        return MessageTokensCount(input_tokens=len((await self.openai.chat_prompt(chat)).token_ids))
 
     async def messages(self, req: MessagesRequest) -> MessagesResponse | AsyncIterator[Event]:
         """Validates everything and waits for the engine's first output (raising APIError), then returns
@@ -227,7 +227,7 @@ class AnthropicServing:
         openai.check_model(req.model)
         chat = self.chat_request(req)
         plan = plan_tools(chat, openai.tool_parser)
-        prompt = openai.chat_prompt(chat)
+        prompt = await openai.chat_prompt(chat)
         so = await openai.structured_outputs(chat, plan)  # a forced tool: its input schema constrains the output
         message_id = new_message_id()
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
@@ -332,4 +332,4 @@ def add_routes(app: FastAPI, serving: AnthropicServing) -> None:
     @app.post("/v1/messages/count_tokens", response_model=MessageTokensCount, responses=_ERRORS,
               summary="Anthropic token counting: the prompt tokens a Messages request would cost")
     async def count_tokens(body: Conversation):
-        return json_response(serving.count_tokens(body))
+        return json_response(await serving.count_tokens(body))

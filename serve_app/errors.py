@@ -59,7 +59,7 @@ class APIError(Exception):
         return f"data: {json.dumps(self.openai_body())}\n\n"
 
 
-_PARAM_PREFIX = re.compile(r"^(?:Value error, )?([a-z_][a-z0-9_/]*): ")
+_PARAM_PREFIX = re.compile(r"^(?:Value error, )?([a-z_][a-z0-9_/]*(?:\.[A-Za-z0-9_\-]+)*): ")
 
 
 def from_exception(e: BaseException) -> APIError:

@@ -13,7 +13,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from engine.input_processor import text_chars
 from serve_app.errors import APIError, from_exception, from_http_exception, from_validation_errors
+from serve_app.openai_serving import tokenize_off_loop_if_large
 from serve_app.tracing import TracingMiddleware
 from serve_app.protocol.openai import (
     ChatCompletionRequest,
@@ -197,11 +199,13 @@ def build_http_app(ingress) -> FastAPI:
     async def tokenize(body: TokenizeRequest):
         serving.check_model(body.model)
         try:
-            if body.prompt is not None:
-                tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            if body.prompt is not None:  # any length: a client may count a document to know what to cut
+                tokens = await tokenize_off_loop_if_large(len(body.prompt), serving.tokenizer.encode, body.prompt,
+                                                          add_special_tokens=body.add_special_tokens)
             else:
                 messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-                tokens = serving.processor.apply_chat_template(messages, body.add_generation_prompt)
+                tokens = await tokenize_off_loop_if_large(text_chars(messages), serving.processor.apply_chat_template,
+                                                          messages, body.add_generation_prompt)
         except ValueError as e:
             raise from_exception(e) from e
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=serving.processor.max_model_len)

@@ -10,8 +10,9 @@ import asyncio
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from engine.text_validation import ValidTextModel
 from serve_app.errors import APIError, from_exception
 from serve_app.lora_registry import AdapterNotFound, LoRARegistry
 from serve_app.protocol.openai import ErrorResponse
@@ -19,7 +20,7 @@ from serve_app.protocol.openai import ErrorResponse
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404)}
 
 
-class LoadLoRAAdapterRequest(BaseModel):
+class LoadLoRAAdapterRequest(ValidTextModel):
     model_config = ConfigDict(extra="forbid")
 
     lora_name: str = Field(min_length=1, max_length=256)
@@ -27,7 +28,7 @@ class LoadLoRAAdapterRequest(BaseModel):
     load_inplace: bool = Field(False, description="Replace a runtime-loaded adapter of this name with these weights.")
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
+class UnloadLoRAAdapterRequest(ValidTextModel):
     model_config = ConfigDict(extra="forbid")
 
     lora_name: str = Field(min_length=1, max_length=256)

@@ -15,10 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import check_json_schema
+from engine.text_validation import ValidTextModel
 from serve_app.protocol.openai import MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS
 
 
-class _Request(BaseModel):
+class _Request(ValidTextModel):
     model_config = ConfigDict(extra="ignore")
 
 

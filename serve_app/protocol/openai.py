@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.sampling_params import MAX_LOGPROBS, StructuredOutputsParams, check_json_schema
+from engine.text_validation import ValidTextModel
 
 # Request limits (documented defaults; a request beyond them gets a 400 naming the field). The engine's
 # own, such as MAX_LOGPROBS, come from engine.sampling_params.
@@ -20,7 +21,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LENGTH = 256
 
 
-class _Request(BaseModel):
+class _Request(ValidTextModel):
     model_config = ConfigDict(extra="ignore")
 
 

@@ -121,6 +121,8 @@ def test_bad_input_raises_at_once_and_engine_keeps_serving(llm):
             await _collect(llm, [1, 10**9], GREEDY)
         with pytest.raises(ValueError, match="temperature"):
             await _collect(llm, "x", SamplingParams(temperature=-1))
+        with pytest.raises(ValueError, match="^prompt: holds an unpaired UTF-16 surrogate"):
+            await _collect(llm, "hi \udcff there", GREEDY)
         outs = await _collect(llm, "still fine", GREEDY)
         assert outs[-1].finished
 

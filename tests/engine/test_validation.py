@@ -117,3 +117,43 @@ def test_max_tokens_is_capped_by_max_model_len(llm):
     prompt = list(range(1, 60))  # 59 tokens: room for 5
     out = llm.generate([prompt], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "call, param",
+    [
+        (lambda llm: llm.generate("hi \udcff there", use_tqdm=False), "prompt"),
+        (lambda llm: llm.generate(["fine", "\ud83d"], use_tqdm=False), "prompt"),
+        (lambda llm: llm.chat([{"role": "user", "content": "a\udcff"}], use_tqdm=False), "messages.0.content"),
+        (lambda llm: llm.chat([{"role": "user", "content": [{"type": "text", "text": "\ude00"}]}], use_tqdm=False),
+         "messages.0.content.0.text"),
+        (lambda llm: SamplingParams(stop=["ok", "\udcff"]), "stop"),
+        (lambda llm: SamplingParams(structured_outputs={"regex": "[a-z\ud800]"}), "structured_outputs"),
+    ],
+)
+def test_text_that_is_not_unicode_is_refused_naming_the_parameter(llm, call, param):
+    with pytest.raises(ValueError, match="unpaired UTF-16 surrogate") as e:
+        call(llm)
+    assert param in str(e.value) and "\udcff" not in str(e.value)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(llm):
+    limit = llm.llm_engine.input_processor.max_prompt_chars
+    assert limit == 64 * 16  # the built-in tokenizer's longest token is 16 characters
+    with pytest.raises(ValueError, match=r"^prompt: the prompt has 1025 characters, which cannot fit in max_model_len=64"):
+        llm.generate("a" * (limit + 1), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^messages: the chat prompt \(messages, system prompt and tools\) has \d+ characters, which cannot fit"):
+        llm.chat([{"role": "user", "content": "a" * (limit + 1)}], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^prompt: \d+ tokens leave no room"):  # within the bound: tokenized
+        llm.generate("a b " * 100, use_tqdm=False)
+
+
+@pytest.mark.parametrize("text", [
+    "a\x00b\x01\x1b[31m\x7f", "e\u0301\u0323\u0302", "\U0001F468\u200d\U0001F469\u200d\U0001F467",
+    "\u202eabc\u202c \u05e9\u05dc\u05d5\u05dd", "\ufeff\uffff\U0010ffff"])
+def test_hostile_but_valid_text_is_served(llm, text):
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, stop=[text])
+    out = llm.generate(text, params, use_tqdm=False)[0]
+    assert out.prompt == text and len(out.outputs[0].token_ids) == 3
+    assert llm.chat([{"role": "user", "content": text}], params, use_tqdm=False)[0].outputs[0].finish_reason
