@@ -96,7 +96,7 @@ class InputProcessor:
             if not prompt:
                 raise ValueError("prompt: must not be empty")
             check_text("prompt", prompt)
-            self._check_length("prompt", len(prompt))
+            self.check_prompt_length("prompt", len(prompt))
             return self.tokenizer.encode(prompt)
         ids = list(prompt)
         if not ids:
@@ -126,10 +126,12 @@ class InputProcessor:
         if self.max_prompt_chars is not None and text_chars(messages) + text_chars(kwargs) > self.max_prompt_chars:
             # Perhaps too long: measure the rendered text (cheap) before tokenizing it. Only then, and
             # not the messages themselves, because a template may leave content out (earlier reasoning).
-            self._check_length("messages", len(render(tokenize=False)), "the chat prompt (messages, system prompt and tools)")
+            self.check_prompt_length("messages", len(render(tokenize=False)), "the chat prompt (messages, system prompt and tools)")
         return list(render(tokenize=True, return_dict=False))
 
-    def _check_length(self, param: str, num_chars: int, what: str = "the prompt") -> None:
+    def check_prompt_length(self, param: str, num_chars: int, what: str = "the prompt") -> None:
+        """Raises ValueError naming `param` when a text of `num_chars` characters is known to exceed
+        max_model_len tokens, before anyone pays to tokenize it."""
         if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
             raise ValueError(
                 f"{param}: {what} has {num_chars} characters, which cannot fit in max_model_len={self.max_model_len} tokens (one token "

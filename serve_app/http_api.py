@@ -199,7 +199,8 @@ def build_http_app(ingress) -> FastAPI:
     async def tokenize(body: TokenizeRequest):
         serving.check_model(body.model)
         try:
-            if body.prompt is not None:  # any length: a client may count a document to know what to cut
+            if body.prompt is not None:
+                serving.processor.check_prompt_length("prompt", len(body.prompt))
                 tokens = await tokenize_off_loop_if_large(len(body.prompt), serving.tokenizer.encode, body.prompt,
                                                           add_special_tokens=body.add_special_tokens)
             else:
