@@ -100,3 +100,48 @@ def engine_rss(app: str = APP) -> dict[str, int]:
             rss[r.replica_id] = process.memory_info().rss + sum(
                 c.memory_info().rss for c in process.children(recursive=True))
     return rss
+
+
+@dataclass(frozen=True)
+class ServeProcess:
+    """A process of the app whose memory the soak follows: "ingress ab12cd34", "engine ab12cd34" (an engine
+    replica's actor process), "core ab12cd34" (its engine-core child), "proxy" (Ray's HTTP proxy)."""
+
+    name: str
+    pid: int
+
+
+def serve_processes(app: str = APP) -> list[ServeProcess]:
+    """The live replica processes of `app` (ingress and engine replicas), each engine replica's children
+    (the engine-core process; not multiprocessing's resource tracker), and Ray's HTTP proxy actor if one
+    serves the app (HAProxy may instead)."""
+    import psutil
+    from ray._private import state
+
+    processes = []
+    for r in sorted(replicas(app), key=lambda r: (r.deployment, r.replica_id)):
+        if r.state != "ALIVE":
+            continue
+        if r.deployment == "OpenAIIngress":
+            processes.append(ServeProcess(f"ingress {r.replica_id}", r.pid))
+            continue
+        processes.append(ServeProcess(f"engine {r.replica_id}", r.pid))
+        children = [c for c in psutil.Process(r.pid).children(recursive=True)
+                    if not any("resource_tracker" in arg for arg in c.cmdline())]
+        processes += [ServeProcess(f"core{'' if i == 0 else i} {r.replica_id}", c.pid) for i, c in enumerate(children)]
+    processes += [ServeProcess("proxy", info["Pid"]) for info in state.actors().values()
+                  if info["ActorClassName"] == "ProxyActor" and info["State"] == "ALIVE"]
+    return processes
+
+
+def process_rss(processes: list[ServeProcess]) -> dict[str, int]:
+    """Resident memory (bytes) of each process still running."""
+    import psutil
+
+    rss = {}
+    for p in processes:
+        try:
+            rss[p.name] = psutil.Process(p.pid).memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return rss

@@ -145,11 +145,20 @@ class RecentTTFT:
         m = output.metrics
         if output.finished and m is not None and m.time_to_first_token is not None:
             self._samples.append((time.monotonic(), m.time_to_first_token))
+            # Pruned here too, not only when read: Serve reads p90 only where autoscaling is configured,
+            # and a replica with a fixed count kept every request's sample for its whole life.
+            self._prune()
 
-    def p90(self) -> float:
+    def _prune(self) -> None:
         horizon = time.monotonic() - self.window_s
         while self._samples and self._samples[0][0] < horizon:
             self._samples.popleft()
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def p90(self) -> float:
+        self._prune()
         if not self._samples:
             return 0.0
         values = sorted(v for _, v in self._samples)

@@ -3,9 +3,9 @@ not, n > 1, stop tokens and strings, structured outputs, shared prefixes, client
 cancelled. Every request completes with its exact token count and finish reason or gets a clear error;
 afterwards every replica is idle with its KV pool free, and none restarted.
 
-Memory is not checked here: the engine process's resident memory climbs for the first few thousand
-requests (the allocator's high-water mark settling; benchmarks/soak.py measures it after warm-up), so a
-run this short cannot tell a leak from warm-up."""
+Memory is not checked here: every process's resident memory climbs while the run warms up (allocators'
+high-water marks, caches filling), so a run this short cannot tell a leak from warm-up; benchmarks/soak.py
+follows it over 20,000 requests."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ REQUESTS = 150
 
 
 def test_soak_mixed_requests(serve_app_url):
-    report = soak(serve_app_url, REQUESTS, concurrency=16, seed=1, app=APP, max_rss_growth=None)
+    report = soak(serve_app_url, REQUESTS, concurrency=16, seed=1, app=APP, max_rss_growth=None,
+                  max_rss_slope=None)
     assert not report.problems, report.table() + "\n" + "\n".join(report.problems)
     results = Counter(o.result for o in report.outcomes)
     assert results["completed"] >= REQUESTS * 0.7 and results["disconnected"] > 0 and results["cancelled"] > 0
