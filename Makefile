@@ -28,12 +28,17 @@ SERVE_ENV := RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_ENABLE_HA_PROXY=1 RAY_S
 run: install
 	$(SERVE_ENV) $(BIN)/python -m serve_app.run configs/default.yaml
 
-# The suite serves HTTP as `make run` does (HAProxy); the HTTP-facing tests run again through Ray's proxy
-# actor, which a plain `serve run` uses.
+# The suite serves HTTP as `make run` does (HAProxy); then the proxy path of a plain `serve run` (Ray's
+# proxy actor) is checked with a representative few: streaming, every error status and a disconnect.
+PROXY_TESTS := tests/serve_app/test_errors.py \
+	tests/serve_app/test_disconnect_and_handle.py::test_disconnect_mid_stream_aborts_and_frees_blocks \
+	tests/serve_app/test_openai_api.py::test_http_arrives_the_way_the_session_was_started \
+	tests/serve_app/test_openai_api.py::test_completion_stream_matches_non_stream \
+	tests/serve_app/test_openai_api.py::test_chat tests/serve_app/test_openai_api.py::test_n_and_seed
+
 test: install
 	$(BIN)/python -m pytest -q
-	PAGEDSERVE_TEST_INGRESS=proxy $(BIN)/python -m pytest -q tests/serve_app/test_openai_api.py \
-		tests/serve_app/test_disconnect_and_handle.py tests/serve_app/test_errors.py
+	PAGEDSERVE_TEST_INGRESS=proxy $(BIN)/python -m pytest -q $(PROXY_TESTS)
 
 bench: install
 	$(BIN)/python benchmarks/throughput.py

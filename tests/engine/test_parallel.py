@@ -4,7 +4,9 @@ within 1e-4 of one rank; KV heads replicated when ranks outnumber them; each ran
 weights; the sampling surface, structured outputs and speculative decoding work across ranks.
 
 To keep CI short, one engine per (architecture, layout) runs every scheduler mode: the modes differ only
-on the driver (the scheduler and its block pool), so each mode gets a fresh scheduler over the same ranks."""
+on the driver (the scheduler and its block pool), so each mode gets a fresh scheduler over the same ranks.
+For the same reason the TP=2 x PP=2 engines (four processes each) are built once per module and shared by
+the tests that need that layout, each back on the engine's own scheduler configuration when it is done."""
 
 from __future__ import annotations
 
@@ -24,49 +26,74 @@ def _engine(path: str, tp: int, pp: int, **kwargs) -> LLM:
     return LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **{**POOL, **kwargs})
 
 
-def _use_variant(llm: LLM, overrides: dict) -> None:
-    """A fresh scheduler (and block pool) configured like an engine built with `overrides`."""
+def _use_config(llm: LLM, config) -> None:
+    """A fresh scheduler (and block pool) configured like an engine built with `config`."""
     engine = llm.llm_engine
     engine.step()  # idle: hands the finished requests' ids to the model runner, which forgets them
-    engine.config = engine.config.model_copy(update=overrides)
+    engine.config = config
     engine.max_num_batched_tokens = engine._resolve_max_num_batched_tokens()
     engine.scheduler = engine._build_scheduler(engine.config.num_kv_blocks)
 
 
+def _use_variant(llm: LLM, overrides: dict) -> None:
+    """A fresh scheduler (and block pool) configured like an engine built with `overrides`."""
+    _use_config(llm, llm.llm_engine.config.model_copy(update=overrides))
+
+
 def _check_modes(path: str, llm: LLM, variants: list[str]) -> None:
-    for variant in variants:
-        _use_variant(llm, {**POOL, **VARIANTS[variant]})
-        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        for prompt, out in zip(PROMPTS, outs):
-            assert_tokens_match(out.outputs[0].token_ids, *hf_greedy(path, prompt, NEW_TOKENS),
-                                what=f"{variant}, prompt of {len(prompt)} tokens")
-        if variant == "preemption":
-            assert llm.llm_engine.scheduler.num_preemptions > 0
-        pool = llm.llm_engine.scheduler.kv_cache_manager.block_pool
-        assert pool.get_num_free_blocks() == pool.num_usable_blocks
+    built_with = llm.llm_engine.config
+    try:
+        for variant in variants:
+            _use_variant(llm, {**POOL, **VARIANTS[variant]})
+            outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            for prompt, out in zip(PROMPTS, outs):
+                assert_tokens_match(out.outputs[0].token_ids, *hf_greedy(path, prompt, NEW_TOKENS),
+                                    what=f"{variant}, prompt of {len(prompt)} tokens")
+            if variant == "preemption":
+                assert llm.llm_engine.scheduler.num_preemptions > 0
+            pool = llm.llm_engine.scheduler.kv_cache_manager.block_pool
+            assert pool.get_num_free_blocks() == pool.num_usable_blocks
+    finally:
+        _use_config(llm, built_with)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(hf_checkpoint):
+    """arch -> (checkpoint path, its TP=2 x PP=2 engine), built once per module."""
+    engines: dict[str, tuple[str, LLM]] = {}
+
+    def get(arch: str) -> tuple[str, LLM]:
+        if arch not in engines:
+            path = str(hf_checkpoint(arch))
+            engines[arch] = path, _engine(path, 2, 2)
+        return engines[arch]
+
+    yield get
+    for _, llm in engines.values():
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen2"])
-def test_parallel_greedy_parity(arch, layout, hf_checkpoint):
+def test_parallel_greedy_parity(arch, layout, hf_checkpoint, four_ranks):
+    variants = list(VARIANTS) if arch in ("llama", "qwen3") else ["default"]
+    if layout == "tp2pp2" and arch in ("llama", "qwen3"):  # shared with the tests below
+        _check_modes(*four_ranks(arch), variants)
+        return
     path = str(hf_checkpoint(arch))
     llm = _engine(path, *LAYOUTS[layout])
     try:
-        _check_modes(path, llm, list(VARIANTS) if arch in ("llama", "qwen3") else ["default"])
+        _check_modes(path, llm, variants)
     finally:
         llm.shutdown()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_parallel_logprobs_match_one_rank(arch, hf_checkpoint):
-    path = str(hf_checkpoint(arch))
+def test_parallel_logprobs_match_one_rank(arch, four_ranks):
+    path, llm = four_ranks(arch)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=2)
     one = _engine(path, 1, 1).generate(PROMPTS[:3], params, use_tqdm=False)
-    llm = _engine(path, 2, 2)
-    try:
-        outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
-    finally:
-        llm.shutdown()
+    outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
     for ref, out in zip(one, outs):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         for ours, theirs in zip(out.outputs[0].logprobs + out.prompt_logprobs[1:],
@@ -98,9 +125,9 @@ def test_tp2_halves_weight_bytes_per_rank(hf_checkpoint):
     assert len(per_rank) == 2 and max(per_rank.values()) <= 0.55 * one, (per_rank, one)
 
 
-def test_parallel_sampling_structured_and_speculative(hf_checkpoint):
+def test_parallel_sampling_structured_and_speculative(four_ranks):
     """Seeded sampling, penalties, a JSON schema and n-gram speculation behave on TP=2 x PP=2 as on one rank."""
-    path = str(hf_checkpoint("qwen3"))
+    path, llm = four_ranks("qwen3")
     prompts = PROMPTS[:4]
     sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, presence_penalty=0.5, max_tokens=12,
                              ignore_eos=True, n=2)
@@ -109,7 +136,7 @@ def test_parallel_sampling_structured_and_speculative(hf_checkpoint):
     constrained = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
     speculative = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
     one, one_spec = _engine(path, 1, 1), _engine(path, 1, 1, **speculative)
-    llm, spec = _engine(path, 2, 2), _engine(path, 2, 2, **speculative)
+    spec = _engine(path, 2, 2, **speculative)
     try:
         for a, b in zip(one.generate(prompts, sampled, use_tqdm=False), llm.generate(prompts, sampled, use_tqdm=False)):
             assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
@@ -120,7 +147,6 @@ def test_parallel_sampling_structured_and_speculative(hf_checkpoint):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert spec.llm_engine.get_stats().spec_decode_num_drafts > 0
     finally:
-        llm.shutdown()
         spec.shutdown()
 
 

@@ -282,7 +282,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     )
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_scheduler_keeps_invariants_and_finishes_everything(scenario: Scenario) -> None:
     harness = Harness(scenario)

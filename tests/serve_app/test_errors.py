@@ -7,9 +7,10 @@ import threading
 import httpx
 import pytest
 
-from tests.serve_app.conftest import wait_for
+from tests.serve_app.conftest import ENGINE, wait_for
 
 MODEL = "pagedserve-tiny"
+KEYS = ("key-one", "key-two")
 
 
 def _error(response: httpx.Response, status: int, param: str | None = None) -> dict:
@@ -127,28 +128,37 @@ def test_bad_requests_restart_no_replica(serve_app_url, engine_handle, replicas_
     assert r.status_code == 200
 
 
-def test_api_keys(deploy_app):
-    url = deploy_app("secured", "/secured", api_keys=["key-one", "key-two"])
+@pytest.fixture(scope="module")
+def guarded_url(deploy_app):
+    """One small app for the API keys and the full queue (each app deployed costs seconds): one engine
+    replica that runs one request and queues one more, behind two keys."""
+    from ray import serve
+
+    yield deploy_app("guarded", "/guarded", num_replicas=1, api_keys=list(KEYS),
+                     engine={**ENGINE, "max_num_seqs": 1, "max_waiting_requests": 1})
+    serve.delete("guarded")
+
+
+def test_api_keys(guarded_url):
+    url = guarded_url
     body = {"prompt": "x", "max_tokens": 2}
     _error(httpx.post(url + "/v1/completions", json=body), 401)
     assert _error(httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"}), 401)["type"] == "authentication_error"
-    for key in ("key-one", "key-two"):
+    for key in KEYS:
         assert httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60).status_code == 200
     assert httpx.get(url + "/health").status_code == 200  # no key needed outside /v1
-    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer key-two"}).status_code == 200
+    assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEYS[1]}"}).status_code == 200
 
 
-def test_overload_is_429_with_retry_after(deploy_app):
+def test_overload_is_429_with_retry_after(guarded_url):
     from ray import serve
 
-    url = deploy_app("overload", "/overload", num_replicas=1,
-                     engine={"max_model_len": 1024, "num_kv_blocks": 512, "num_threads": 1, "max_num_seqs": 1,
-                             "max_waiting_requests": 1})
-    handle = serve.get_deployment_handle("LLMServer", app_name="overload")
+    url, auth = guarded_url, {"Authorization": f"Bearer {KEYS[0]}"}
+    handle = serve.get_deployment_handle("LLMServer", app_name="guarded")
     long = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True}
 
     def hold() -> None:
-        httpx.post(url + "/v1/completions", json=long, timeout=120)
+        httpx.post(url + "/v1/completions", json=long, headers=auth, timeout=120)
 
     def stats():
         return handle.stats.remote().result()
@@ -158,10 +168,9 @@ def test_overload_is_429_with_retry_after(deploy_app):
     wait_for(lambda: stats().num_running == 1, interval=0.01)
     threads[1].start()
     wait_for(lambda: stats().num_waiting == 1, interval=0.01)  # one running, one waiting: the queue is full
-    r = httpx.post(url + "/v1/completions", json={"prompt": "one more", "max_tokens": 2}, timeout=30)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "one more", "max_tokens": 2}, headers=auth, timeout=30)
     error = _error(r, 429)
     assert error["type"] == "rate_limit_error" and int(r.headers["Retry-After"]) >= 1
     assert "max_waiting_requests" in error["message"] and "ray::" not in error["message"]
     for t in threads:
         t.join()
-    serve.delete("overload")

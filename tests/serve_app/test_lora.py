@@ -41,10 +41,11 @@ def adapters(tiny_model_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def lora_url(deploy_app, adapters) -> str:
     outside, root = adapters
-    return deploy_app(APP, "/lora", model=BASE, num_replicas=2, api_keys=[KEY], lora_root=str(root),
-                      allow_runtime_lora_updating=True, engine={**ENGINE, "max_loras": 2},
-                      lora_modules=[{"name": "sql", "path": str(outside / "sql")},
-                                    {"name": "chat", "path": str(outside / "chat")}])
+    yield deploy_app(APP, "/lora", model=BASE, num_replicas=2, api_keys=[KEY], lora_root=str(root),
+                     allow_runtime_lora_updating=True, engine={**ENGINE, "max_loras": 2},
+                     lora_modules=[{"name": "sql", "path": str(outside / "sql")},
+                                   {"name": "chat", "path": str(outside / "chat")}])
+    serve.delete(APP)  # its three replicas would otherwise share the 2 cores with every later test
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,8 @@ def _events(url: str, max_tokens: int) -> tuple[list[int], float]:
 
 @pytest.mark.skipif(CpuPressure().path is None, reason="no CPU pressure information (Linux PSI) here")
 def test_saturated_cpu_coalesces_tokens(deploy_app):
+    from ray import serve
+
     # Threshold 0: any pressure counts as saturated, so every stream is paced at 0.25 s.
     url = deploy_app("paced", "/paced", num_replicas=1, stream_coalesce_cpu_pressure=0.0,
                      stream_coalesce_interval_s=0.25)
@@ -39,3 +41,4 @@ def test_saturated_cpu_coalesces_tokens(deploy_app):
     assert sum(tokens) == 200
     assert tokens[0] >= 1 and len(tokens) < 100, tokens  # fewer, fuller messages than one per step
     assert max(tokens) > 1
+    serve.delete("paced")  # its replica would otherwise share the 2 cores with every later test
