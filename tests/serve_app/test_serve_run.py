@@ -108,6 +108,8 @@ def test_ctrl_c_drains_streams_in_flight(tmp_path):
         try:
             with httpx.stream("POST", URL + "/v1/completions", json=body, timeout=120) as r:
                 outcome["status"] = r.status_code
+                if r.status_code != 200:
+                    outcome["body"] = r.read().decode(errors="replace")  # the error names its cause
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
                         chunk = json.loads(line[6:])
