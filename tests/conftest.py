@@ -4,12 +4,17 @@ that our loader is tested against the real on-disk format."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from engine.models.builtin import materialize_builtin
+
+if TYPE_CHECKING:
+    from engine import LLM
 
 TINY = "pagedserve-tiny"
 
@@ -100,3 +105,19 @@ def hf_checkpoint(tmp_path_factory):
         return cache[arch]
 
     return get
+
+
+def engines_by_arch(hf_checkpoint, build: Callable[[str], LLM]) -> Iterator[Callable[[str], tuple[str, LLM]]]:
+    """The body of a module fixture: arch -> (checkpoint path, engine `build(path)`), each engine built on
+    first use and shut down when the module is done (several processes each: build once, share)."""
+    engines: dict[str, tuple[str, LLM]] = {}
+
+    def get(arch: str) -> tuple[str, LLM]:
+        if arch not in engines:
+            path = str(hf_checkpoint(arch))
+            engines[arch] = path, build(path)
+        return engines[arch]
+
+    yield get
+    for _, llm in engines.values():
+        llm.shutdown()

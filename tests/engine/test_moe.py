@@ -18,7 +18,7 @@ from engine import LLM, EngineConfig, SamplingParams, StructuredOutputsParams
 from engine.model_spec import check_expert_layout
 from engine.models.config import ModelConfig
 from engine.models.layers.fused_moe import FusedMoE, route
-from tests.conftest import MOE_ARCHS
+from tests.conftest import MOE_ARCHS, engines_by_arch
 from tests.engine.test_hf_parity import GREEDY, NEW_TOKENS, PROMPTS, SHARED_PROMPTS, VARIANTS
 from tests.engine.test_parallel import POOL as PARALLEL_POOL
 from tests.engine.test_parallel import _use_variant
@@ -129,17 +129,7 @@ def test_fused_moe_matches_a_per_token_reference(grouped, dtype):
 @pytest.fixture(scope="module")
 def moe_engine(hf_checkpoint):
     """arch -> (checkpoint path, single-rank engine), built once per module."""
-    engines: dict[str, tuple[str, LLM]] = {}
-
-    def get(arch: str) -> tuple[str, LLM]:
-        if arch not in engines:
-            path = str(hf_checkpoint(arch))
-            engines[arch] = path, LLM(path, **POOL)
-        return engines[arch]
-
-    yield get
-    for _, llm in engines.values():
-        llm.shutdown()
+    yield from engines_by_arch(hf_checkpoint, lambda path: LLM(path, **POOL))
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)

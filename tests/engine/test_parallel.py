@@ -15,6 +15,7 @@ import json
 import pytest
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
+from tests.conftest import engines_by_arch
 from tests.engine.test_hf_parity import GREEDY, NEW_TOKENS, PROMPTS, VARIANTS
 from tests.parity import assert_tokens_match, hf_greedy
 
@@ -60,17 +61,7 @@ def _check_modes(path: str, llm: LLM, variants: list[str]) -> None:
 @pytest.fixture(scope="module")
 def four_ranks(hf_checkpoint):
     """arch -> (checkpoint path, its TP=2 x PP=2 engine), built once per module."""
-    engines: dict[str, tuple[str, LLM]] = {}
-
-    def get(arch: str) -> tuple[str, LLM]:
-        if arch not in engines:
-            path = str(hf_checkpoint(arch))
-            engines[arch] = path, _engine(path, 2, 2)
-        return engines[arch]
-
-    yield get
-    for _, llm in engines.values():
-        llm.shutdown()
+    yield from engines_by_arch(hf_checkpoint, lambda path: _engine(path, 2, 2))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
