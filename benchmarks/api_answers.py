@@ -5,6 +5,8 @@ error. Shared by the fuzzers (benchmarks/fuzz.py, benchmarks/text_fuzz.py)."""
 from __future__ import annotations
 
 import json
+from collections import Counter
+from collections.abc import Iterable
 
 
 def error_body_problem(path: str, status: int, body: object) -> str | None:
@@ -42,3 +44,21 @@ def stream_problem(path: str, text: str, cut_short: bool) -> str | None:
     if anthropic and not cut_short and json.loads(data[-1]).get("type") != "message_stop":
         return "stream does not end with message_stop"
     return None
+
+
+def status_table(answers: Iterable[tuple[str, int, bool]], key: str, bad: str, key_width: int,
+                 column_width: int) -> str:
+    """(row name, HTTP status or 0 for none, whether the answer was wrong) -> a table of cases, 2xx, 4xx,
+    5xx and `bad` per row in the order rows first appear, then the total."""
+    rows: dict[str, Counter] = {}
+    for name, status, wrong in answers:
+        row = rows.setdefault(name, Counter())
+        row["cases"] += 1
+        row[f"{status // 100}xx" if status else "no answer"] += 1
+        row[bad] += wrong
+    columns = ["cases", "2xx", "4xx", "5xx", bad]
+    total = sum(rows.values(), Counter())
+    lines = [f"{key:<{key_width}}" + "".join(f"{c:>{column_width}}" for c in columns)]
+    for name, row in list(rows.items()) + [("total", total)]:
+        lines.append(f"{name:<{key_width}}" + "".join(f"{row[c]:>{column_width}}" for c in columns))
+    return "\n".join(lines)

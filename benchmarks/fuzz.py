@@ -22,7 +22,6 @@ import random
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from hypothesis import HealthCheck, Phase
 from schemathesis import Case, GenerationMode
 
 from benchmarks import live_app, text_fuzz
-from benchmarks.api_answers import error_body_problem, stream_problem
+from benchmarks.api_answers import error_body_problem, status_table, stream_problem
 
 _METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 _GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
@@ -175,18 +174,8 @@ def _json_error_problem(path: str, response: requests.Response) -> str | None:
 
 
 def table(outcomes: Iterable[Outcome]) -> str:
-    rows: dict[str, Counter] = {}
-    for o in outcomes:
-        row = rows.setdefault(o.route, Counter())
-        row["cases"] += 1
-        row[f"{o.status // 100}xx" if o.status else "no answer"] += 1
-        row["bad bodies"] += o.problem is not None and o.status < 500
-    columns = ["cases", "2xx", "4xx", "5xx", "bad bodies"]
-    total = sum(rows.values(), Counter())
-    lines = [f"{'route':<44}" + "".join(f"{c:>11}" for c in columns)]
-    for route, row in sorted(rows.items()) + [("total", total)]:
-        lines.append(f"{route:<44}" + "".join(f"{row[c]:>11}" for c in columns))
-    return "\n".join(lines)
+    answers = sorted((o.route, o.status, o.problem is not None and o.status < 500) for o in outcomes)
+    return status_table(answers, "route", "bad bodies", 44, 11)
 
 
 @dataclass

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import json
 import random
-from collections import Counter
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import requests
 
-from benchmarks.api_answers import error_body_problem, stream_problem
+from benchmarks.api_answers import error_body_problem, status_table, stream_problem
 from engine.text_validation import invalid_text
 
 # name -> (text, whether it is valid Unicode, whether it is short enough that a prompt holding it fits)
@@ -251,17 +250,9 @@ def run(base_url: str, text_cases: list[TextCase], concurrency: int = 8) -> list
 def table(outcomes: Iterable[TextOutcome]) -> str:
     """Cases per hostile text (drawn ones in one row): how many were served, refused (4xx), failed
     (5xx), and wrong."""
-    rows: dict[str, Counter] = {}
-    for o in outcomes:
-        name = "drawn (valid)" if o.case.text_name.startswith("drawn") and o.case.valid else \
-            "drawn (not Unicode)" if o.case.text_name.startswith("drawn") else o.case.text_name
-        row = rows.setdefault(name, Counter())
-        row["cases"] += 1
-        row[f"{o.status // 100}xx" if o.status else "no answer"] += 1
-        row["wrong"] += o.problem is not None
-    columns = ["cases", "2xx", "4xx", "5xx", "wrong"]
-    total = sum(rows.values(), Counter())
-    lines = [f"{'hostile text':<32}" + "".join(f"{c:>8}" for c in columns)]
-    for name, row in list(rows.items()) + [("total", total)]:
-        lines.append(f"{name:<32}" + "".join(f"{row[c]:>8}" for c in columns))
-    return "\n".join(lines)
+    def row(case: TextCase) -> str:
+        if case.text_name.startswith("drawn"):
+            return "drawn (valid)" if case.valid else "drawn (not Unicode)"
+        return case.text_name
+
+    return status_table(((row(o.case), o.status, o.problem is not None) for o in outcomes), "hostile text", "wrong", 32, 8)
