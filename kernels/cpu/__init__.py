@@ -1,9 +1,10 @@
 """CPU kernels compiled on first use (torch.utils.cpp_extension, into torch's extension cache), one
 build per CPU type.
 
-`load_cpu_kernels()` (paged attention) and `load_quant_kernels()` (weight-only quantized linear layers)
-return a compiled module, or None when no compiler is available; callers then fall back to a pure-torch
-path. Two modules, not one: each rebuilds only when its own sources change."""
+`load_cpu_kernels()` (paged attention), `load_quant_kernels()` (weight-only quantized linear layers) and
+`load_moe_kernels()` (mixture-of-experts layers) return a compiled module, or None when no compiler is
+available; callers then fall back to a pure-torch path. One module each: each rebuilds only when its own
+sources change, and a model compiles only the kernels it runs."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "paged_attention.cpp"]
 _QUANT_SOURCES = [Path(__file__).parent / "quant_linear.cpp"]
+_MOE_SOURCES = [Path(__file__).parent / "fused_moe.cpp"]
 
 
 def _cpu_signature() -> str:
@@ -36,6 +38,11 @@ def load_cpu_kernels():
 @functools.cache
 def load_quant_kernels():
     return _load("pagedserve_quant_kernels", _QUANT_SOURCES, "CPU quantized linear kernels")
+
+
+@functools.cache
+def load_moe_kernels():
+    return _load("pagedserve_moe_kernels", _MOE_SOURCES, "CPU mixture-of-experts kernel")
 
 
 def _load(name: str, sources: list[Path], what: str):

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from engine import LLM, EngineConfig, SamplingParams, StructuredOutputsParams
 from engine.model_spec import check_expert_layout
 from engine.models.config import ModelConfig
-from engine.models.layers.fused_moe import FusedMoE, route
+from engine.models.layers.fused_moe import FusedMoE, grouped_mm_available, route
+from kernels.cpu import load_moe_kernels
 from tests.conftest import MOE_ARCHS, engines_by_arch
 from tests.engine.test_hf_parity import GREEDY, NEW_TOKENS, PROMPTS, SHARED_PROMPTS, VARIANTS
 from tests.engine.test_parallel import POOL as PARALLEL_POOL
@@ -99,26 +100,35 @@ def _per_token_reference(x, w13, w2, weights, ids):
     return out
 
 
-@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "expert_loop"])
+@pytest.mark.parametrize("compute", ["cpu_kernel", "grouped_mm", "loop"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_moe_matches_a_per_token_reference(grouped, dtype):
+@pytest.mark.parametrize("tokens", [1, 13, 40])
+def test_fused_moe_matches_a_per_token_reference(compute, dtype, tokens):
+    if compute == "cpu_kernel" and (dtype != torch.float32 or load_moe_kernels() is None):
+        pytest.skip("the CPU kernel runs float32 only, where a compiler is available")
     torch.manual_seed(0)
-    num_experts, top_k, hidden, inter, tokens = 6, 2, 32, 24, 13
+    num_experts, top_k, hidden, inter = 6, 2, 32, 48
     layer = FusedMoE(num_experts, top_k, hidden, inter, prefix="experts").to(dtype)
+    w13, w2 = torch.randn(num_experts, 2 * inter, hidden) * 0.2, torch.randn(num_experts, hidden, inter) * 0.2
     with torch.no_grad():
-        layer.w13_weight.copy_(torch.randn(num_experts, 2 * inter, hidden) * 0.2)
-        layer.w2_weight.copy_(torch.randn(num_experts, hidden, inter) * 0.2)
+        layer.w13_weight.copy_(w13)
+        layer.w2_weight.copy_(w2)
     layer.quant_method.process_weights_after_loading(layer, tokens)
-    layer.use_grouped_mm = grouped and layer.use_grouped_mm
+    if compute != "cpu_kernel":  # the loader's choice is the kernel where it runs; force the others
+        layer.expert_compute = compute
+        layer.w13_weight.data, layer.w2_weight.data = w13.to(dtype), w2.to(dtype)
+        if compute == "grouped_mm" and not grouped_mm_available(dtype, "cpu"):
+            pytest.skip("grouped_mm does not run here")
+    assert layer.expert_compute == compute
     x = torch.randn(tokens, hidden, dtype=dtype)
     logits = torch.randn(tokens, num_experts, dtype=dtype)
-    logits[3] = 0  # a token whose experts tie: topk's choice is the reference's choice too
+    logits[min(3, tokens - 1)] = 0  # a token whose experts tie: topk's choice is the reference's choice too
     for renormalize, float32_weights in [(True, True), (False, False)]:
         weights, ids = route(logits, top_k, renormalize, float32_weights)
         assert weights.dtype == (torch.float32 if float32_weights else dtype)
         with torch.no_grad():
             out = layer(x, weights, ids)
-        ref = _per_token_reference(x, layer.w13_weight, layer.w2_weight, weights.float(), ids)
+        ref = _per_token_reference(x, w13.to(dtype), w2.to(dtype), weights.float(), ids)
         assert out.dtype == dtype
         torch.testing.assert_close(out.double(), ref, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)
 
@@ -208,7 +218,8 @@ def test_expert_parallel_equals_sliced_experts(hf_checkpoint):
     ep = LLM(path, **POOL, tensor_parallel_size=2, enable_expert_parallel=True)
     try:
         experts = ep.llm_engine.model_runner.model.model.layers[0].mlp.experts
-        assert (experts.num_local_experts, experts.expert_start, experts.w13_weight.shape[1]) == (4, 0, 2 * 48)
+        assert (experts.num_local_experts, experts.expert_start, experts.intermediate_size_per_partition) == (4, 0, 48)
+        assert experts.w13_weight.numel() == 4 * 2 * 48 * experts.hidden_size
         for variant in ("default", "chunked"):
             _use_variant(ep, {**POOL, **VARIANTS[variant]})
             for prompt, a, b in zip(PROMPTS, sliced_outs, ep.generate(PROMPTS, GREEDY, use_tqdm=False)):

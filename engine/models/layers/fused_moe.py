@@ -11,7 +11,9 @@ choice applied to a batch of tokens at once.
   leaves zeros for the rest; the caller's all-reduce sums them. This is the simple all-gather/all-reduce
   dispatch: hidden states are already on every rank after attention's all-reduce, so no all-to-all is
   needed, at the price of one all-reduce of [tokens, H] per layer (the same as EP off).
-- Compute: the (token, expert) pairs are sorted by expert, so each expert's rows are contiguous; one
+- Compute on CPU in float32: kernels/cpu/fused_moe.cpp takes the router's choice and returns the layer's
+  output in one call (weights packed into its panel layout at load).
+- Compute elsewhere: the (token, expert) pairs are sorted by expert, so each expert's rows are contiguous; one
   grouped matrix multiply per projection (torch.nn.functional.grouped_mm where it runs, a per-expert loop
   where it does not); then each pair's output times its routing weight, summed over the token's k experts
   in float32 with one rounding (the order of Hugging Face's `grouped_mm` experts implementation).
@@ -33,6 +35,7 @@ from engine.distributed import get_tp_group
 from engine.models.checkpoint import CheckpointTensor
 from engine.models.layers.linear import copy_checked, divide
 from engine.models.layers.quantization import QuantizationConfig, set_weight_attrs
+from kernels.cpu import load_moe_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +73,12 @@ class FusedMoEMethod(ABC):
         """The expert MLP of rows sorted by local expert: x [S, H], expert e's rows end at offsets[e]
         (int32 cumulative counts, [E_local]) -> [S, H]. Rows past offsets[-1] may be left unwritten."""
 
+    def apply_routed(self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor,
+                     ids: torch.Tensor) -> torch.Tensor | None:
+        """The layer's whole partial output [T, H] from the router's choice, where the method has a kernel
+        that takes it unsorted; None leaves the layer to sort the pairs and call `apply`."""
+        return None
+
 
 @functools.cache
 def grouped_mm_available(dtype: torch.dtype, device_type: str) -> bool:
@@ -91,13 +100,15 @@ def grouped_mm_available(dtype: torch.dtype, device_type: str) -> bool:
 
 
 class DenseFusedMoEMethod(FusedMoEMethod):
-    """Unquantized experts, through torch's grouped matmul where it runs, else a loop of per-expert F.linear.
+    """Unquantized experts: on CPU in float32 through kernels/cpu/fused_moe.cpp (weights repacked into its
+    panels), elsewhere through torch's grouped matmul where it runs, else a loop of per-expert F.linear.
 
-    Measured on pagedserve-56m-moe's expert shape (8 experts, H 512, I 704, top-2; CPU, float32, 1 thread,
-    medians of interleaved runs on a loaded 2-core host): grouped_mm on weights stored expert-major
-    transposed took 0.86-1.03 / 6.9-7.3 / 13.0-13.1 ms at 1 / 8 / 32 tokens against 1.18-1.23 / 9.4-10.2 /
-    14.9-15.2 ms for the F.linear loop (at 256 tokens the two were within noise), so grouped_mm is the CPU
-    path. The loop serves where grouped_mm does not run (e.g. float32 on CUDA)."""
+    Measured on pagedserve-56m-moe's expert shape (8 experts, H 512, I 704, top-2; float32, 1 thread, best of
+    6 on a loaded 2-core host), the whole layer from the router's choice: the kernel took 0.20 / 1.8 / 3.0-3.4
+    / 8.3 / 28.6 ms at 1 / 8 / 32 / 128 / 512 tokens against 0.40 / 2.9-3.2 / 5.7-5.9 / 10.8 / 30.6-31.0 ms
+    for grouped_mm (weights stored expert-major transposed) with the sorting and combining around it, so
+    the kernel serves every size on CPU. Earlier, grouped_mm had beaten the F.linear loop by 10-30% up to
+    32 tokens; the loop serves where neither runs (e.g. float32 on CUDA)."""
 
     def create_weights(self, layer, num_local_experts, hidden_size, intermediate_size_per_partition, params_dtype) -> None:
         e, h, i = num_local_experts, hidden_size, intermediate_size_per_partition
@@ -110,16 +121,33 @@ class DenseFusedMoEMethod(FusedMoEMethod):
         layer.register_parameter("w2_weight", w2)
 
     def process_weights_after_loading(self, layer, batch_size_hint) -> None:
-        layer.use_grouped_mm = grouped_mm_available(layer.w13_weight.dtype, layer.w13_weight.device.type)
-        if layer.use_grouped_mm:
+        w13, w2 = layer.w13_weight, layer.w2_weight
+        kernel = load_moe_kernels() if w13.device.type == "cpu" and w13.dtype == torch.float32 else None
+        # Panels of 16 rows must not straddle gate and up: the intermediate and hidden sizes divide by 16.
+        if kernel is not None and w2.shape[1] % 16 == 0 and w2.shape[2] % 16 == 0:
+            layer.expert_compute = "cpu_kernel"
+            for param in (w13, w2):  # [E, out, in] -> [E, out / 16, in, 16]
+                param.data = kernel.moe_pack_panels(param.data)
+        elif grouped_mm_available(w13.dtype, w13.device.type):
+            layer.expert_compute = "grouped_mm"
             # Same [E, out, in] tensors, each expert stored column-major: grouped_mm multiplies by their
             # transposes, which are then contiguous (faster at decode sizes than the strided views).
-            for param in (layer.w13_weight, layer.w2_weight):
+            for param in (w13, w2):
                 param.data = param.data.transpose(1, 2).contiguous().transpose(1, 2)
+        else:
+            layer.expert_compute = "loop"
+
+    def apply_routed(self, layer, x, weights, ids) -> torch.Tensor | None:
+        if layer.expert_compute != "cpu_kernel":
+            return None
+        out = torch.empty(x.shape[0], layer.hidden_size)
+        load_moe_kernels().moe_experts(out, x.contiguous(), ids.contiguous(), weights.float().contiguous(),
+                                       layer.w13_weight, layer.w2_weight, layer.expert_start)
+        return out
 
     def apply(self, layer, x, offsets) -> torch.Tensor:
         w13, w2 = layer.w13_weight, layer.w2_weight
-        if layer.use_grouped_mm:
+        if layer.expert_compute == "grouped_mm":
             gate, up = F.grouped_mm(x, w13.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
             return F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
         out = x.new_empty(x.shape[0], w2.shape[1])
@@ -159,7 +187,7 @@ class FusedMoE(nn.Module):
         self.quant_method = method or DenseFusedMoEMethod()
         self.quant_method.create_weights(self, self.num_local_experts, hidden_size,
                                          self.intermediate_size_per_partition, torch.get_default_dtype())
-        self.use_grouped_mm = False
+        self.expert_compute = "loop"  # the method's process_weights_after_loading chooses
         # Tokens routed to each (global) expert since start, shared by the model's MoE layers (metrics).
         self.expert_load: torch.Tensor | None = None
 
@@ -190,6 +218,9 @@ class FusedMoE(nn.Module):
         flat = ids.reshape(-1)
         if self.expert_load is not None:
             self.expert_load.index_add_(0, flat, torch.ones_like(flat))
+        out = self.quant_method.apply_routed(self, x, weights, ids)
+        if out is not None:
+            return out.to(x.dtype)
         local = flat - self.expert_start
         if self.expert_parallel:  # other ranks' experts sort to the end, past the last offset
             local = torch.where((local >= 0) & (local < self.num_local_experts), local, self.num_local_experts)
