@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -40,16 +41,18 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// MB rows of x times NB int8 weight rows over all K columns (K % 8 == 0 here; the tail is the caller's).
+// MB rows of x times NB int8 weight rows (ldx, ldw apart) over their first K columns (K % 8 == 0 here; the
+// tail is the caller's).
 template <int MB, int NB>
-inline void int8_block(const float* x, int64_t ldx, const int8_t* w, int64_t K, float out[kMaxBatch][kRowsPerBlock]) {
+inline void int8_block(const float* x, int64_t ldx, const int8_t* w, int64_t ldw, int64_t K,
+                       float out[kMaxBatch][kRowsPerBlock]) {
   __m256 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) {
     for (int n = 0; n < NB; ++n) {  // one widened weight vector live at a time: no accumulator spills
       const __m256 wv =
-          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + n * K + k))));
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + n * ldw + k))));
       for (int m = 0; m < MB; ++m) acc[m][n] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k), wv, acc[m][n]);
     }
   }
@@ -57,32 +60,53 @@ inline void int8_block(const float* x, int64_t ldx, const int8_t* w, int64_t K, 
     for (int n = 0; n < NB; ++n) out[m][n] = hsum(acc[m][n]);
 }
 
-// MB rows of x times NB int4 weight rows over all K columns (K % 32 == 0, group % 32 == 0). A run of 32
-// columns is widened 8 at a time (4 parts: low nibbles of bytes 0-7 and 8-15, then their high nibbles).
+// MB rows of x times NB int4 weight rows over all K columns (K % 32 == 0, group % 32 == 0). Per group the
+// products with the bare integers q are summed first and scaled once: sum_k x (q s + z) over a group is
+// s * sum_k x q + z * sum_k x, and xsum [MB, groups] holds the second sum. A run of 32 columns is one
+// 16-byte load, split into its low and high nibbles and widened 8 columns at a time.
 template <int MB, int NB>
-inline void int4_block(const float* x, int64_t ldx, const uint8_t* w, const float* scales, const float* zeros,
-                       int64_t K, int64_t group, float out[kMaxBatch][kRowsPerBlock]) {
+inline void int4_block(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, const float* scales,
+                       const float* zeros, int64_t K, int64_t group, float out[kMaxBatch][kRowsPerBlock]) {
   const int64_t groups = K / group;
-  const __m256i low = _mm256_set1_epi32(0x0F);
-  __m256 acc[MB][NB];
+  const __m128i low = _mm_set1_epi8(0x0F);
+  __m256 total[MB][NB];
   for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    const int64_t g = k / group;
-    for (int part = 0; part < 4; ++part) {
-      const int64_t col = k + (part & 1) * 8 + (part >> 1) * 16;
-      for (int n = 0; n < NB; ++n) {  // one widened weight vector live at a time: no accumulator spills
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + n * (K / 2) + k / 2 + (part & 1) * 8));
-        __m256i q = _mm256_cvtepu8_epi32(bytes);
-        q = _mm256_and_si256(part < 2 ? q : _mm256_srli_epi32(q, 4), low);
-        const __m256 wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_broadcast_ss(scales + n * groups + g),
-                                          _mm256_broadcast_ss(zeros + n * groups + g));
-        for (int m = 0; m < MB; ++m) acc[m][n] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + col), wv, acc[m][n]);
+    for (int n = 0; n < NB; ++n) total[m][n] = _mm256_setzero_ps();
+  // Independent sums per part for few rows: one sum per (m, n) would chain 4 dependent FMAs per run.
+  constexpr int kSplit = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 acc[MB][NB][kSplit];
+    for (int m = 0; m < MB; ++m)
+      for (int n = 0; n < NB; ++n)
+        for (int i = 0; i < kSplit; ++i) acc[m][n][i] = _mm256_setzero_ps();
+    for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
+      for (int n = 0; n < NB; ++n) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * (K / 2) + k / 2));
+        const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+        const __m128i parts[4] = {lo, _mm_unpackhi_epi64(lo, lo), hi, _mm_unpackhi_epi64(hi, hi)};
+        for (int part = 0; part < 4; ++part) {
+          const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[part]));
+          for (int m = 0; m < MB; ++m)
+            acc[m][n][part % kSplit] =
+                _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k + part * 8), wv, acc[m][n][part % kSplit]);
+        }
+      }
+    }
+    for (int n = 0; n < NB; ++n) {
+      const __m256 sv = _mm256_broadcast_ss(scales + n * groups + g);
+      for (int m = 0; m < MB; ++m) {
+        __m256 sum = acc[m][n][0];
+        for (int i = 1; i < kSplit; ++i) sum = _mm256_add_ps(sum, acc[m][n][i]);
+        total[m][n] = _mm256_fmadd_ps(sum, sv, total[m][n]);
       }
     }
   }
   for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) out[m][n] = hsum(acc[m][n]);
+    for (int n = 0; n < NB; ++n) {
+      float zero_terms = 0.f;
+      for (int64_t g = 0; g < groups; ++g) zero_terms += zeros[n * groups + g] * xsum[m * groups + g];
+      out[m][n] = hsum(total[m][n]) + zero_terms;
+    }
 }
 #endif
 
@@ -122,15 +146,15 @@ inline void dispatch(int mb, int nb, Args&&... args) {
 #ifdef PAGEDSERVE_AVX2
 template <int MB, int NB>
 struct Int8Kernel {
-  static void run(const float* x, int64_t ldx, const int8_t* w, int64_t K, float (*out)[kRowsPerBlock]) {
-    int8_block<MB, NB>(x, ldx, w, K, out);
+  static void run(const float* x, int64_t ldx, const int8_t* w, int64_t ldw, int64_t K, float (*out)[kRowsPerBlock]) {
+    int8_block<MB, NB>(x, ldx, w, ldw, K, out);
   }
 };
 template <int MB, int NB>
 struct Int4Kernel {
-  static void run(const float* x, int64_t ldx, const uint8_t* w, const float* s, const float* z, int64_t K,
-                  int64_t group, float (*out)[kRowsPerBlock]) {
-    int4_block<MB, NB>(x, ldx, w, s, z, K, group, out);
+  static void run(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, const float* s, const float* z,
+                  int64_t K, int64_t group, float (*out)[kRowsPerBlock]) {
+    int4_block<MB, NB>(x, ldx, xsum, w, s, z, K, group, out);
   }
 };
 #endif
@@ -164,7 +188,7 @@ void int8_linear(torch::Tensor out, torch::Tensor x, torch::Tensor weight, torch
         int64_t done = 0;
 #ifdef PAGEDSERVE_AVX2
         done = K - K % 8;
-        dispatch<Int8Kernel>(static_cast<int>(mb), static_cast<int>(nb), xp + m0 * K, K, wp + n0 * K, done, acc);
+        dispatch<Int8Kernel>(static_cast<int>(mb), static_cast<int>(nb), xp + m0 * K, K, wp + n0 * K, K, done, acc);
 #endif
         for (int64_t m = 0; m < mb; ++m)
           for (int64_t n = 0; n < nb; ++n) {
@@ -193,6 +217,9 @@ void int4_linear(torch::Tensor out, torch::Tensor x, torch::Tensor weight, torch
   const float* sp = scales.data_ptr<float>();
   const float* zp = zeros.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  std::vector<float> xsum(M * groups, 0.f);  // each row's sum over each group of columns (the zero terms)
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / group] += xp[m * K + k];
   const int64_t blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     float acc[kMaxBatch][kRowsPerBlock];
@@ -201,8 +228,8 @@ void int4_linear(torch::Tensor out, torch::Tensor x, torch::Tensor weight, torch
       for (int64_t m0 = 0; m0 < M; m0 += kMaxBatch) {
         const int64_t mb = std::min(kMaxBatch, M - m0);
 #ifdef PAGEDSERVE_AVX2
-        dispatch<Int4Kernel>(static_cast<int>(mb), static_cast<int>(nb), xp + m0 * K, K, wp + n0 * (K / 2),
-                             sp + n0 * groups, zp + n0 * groups, K, group, acc);
+        dispatch<Int4Kernel>(static_cast<int>(mb), static_cast<int>(nb), xp + m0 * K, K, xsum.data() + m0 * groups,
+                             wp + n0 * (K / 2), sp + n0 * groups, zp + n0 * groups, K, group, acc);
 #else
         for (int64_t m = 0; m < mb; ++m)
           for (int64_t n = 0; n < nb; ++n)
