@@ -29,6 +29,9 @@ namespace {
 
 constexpr int64_t kPanel = 16;   // output rows per packed panel
 constexpr int64_t kMaxRows = 6;  // rows of x one microkernel call covers (6 x 2 accumulators)
+// How far ahead of its loads a panel is prefetched (the hardware prefetcher alone leaves DRAM streams of
+// compute-heavy loops well under the bandwidth; kernels/cpu/quant_linear.cpp measured it).
+constexpr int64_t kPrefetchFloats = 1024;
 
 // out[m][0..16) = sum_k rows[m][k] * panel[k][0..16), for m < mb (mb <= kMaxRows).
 template <int MB>
@@ -37,6 +40,7 @@ inline void panel_kernel(const float* const* rows, const float* panel, int64_t K
   __m256 acc[MB][2];
   for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + k * kPanel + kPrefetchFloats), _MM_HINT_T0);  // a line per k
     const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
     for (int m = 0; m < MB; ++m) {
       const __m256 xv = _mm256_broadcast_ss(rows[m] + k);
