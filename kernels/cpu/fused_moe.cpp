@@ -12,8 +12,10 @@
 // (3) per token the sum over its k experts of weight * y, in the router's slot order. Every product and
 // sum is float32; only the order of the sums within a dot product differs from a matmul's.
 
-#include <torch/extension.h>
+// Not torch/extension.h: paged_attention.cpp says why.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
@@ -81,8 +83,8 @@ struct WorkItem {
 }  // namespace
 
 // W [E, N, K] -> [E, N / 16, K, 16]: the panel layout above (N % 16 == 0).
-torch::Tensor moe_pack_panels(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 3 && weight.scalar_type() == torch::kFloat && weight.size(1) % kPanel == 0,
+at::Tensor moe_pack_panels(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 3 && weight.scalar_type() == at::kFloat && weight.size(1) % kPanel == 0,
               "weight: float32 [E, N, K] with N % 16 == 0");
   const int64_t E = weight.size(0), N = weight.size(1), K = weight.size(2);
   return weight.reshape({E, N / kPanel, kPanel, K}).transpose(2, 3).contiguous();
@@ -91,10 +93,10 @@ torch::Tensor moe_pack_panels(torch::Tensor weight) {
 // out [T, H] = sum over slots s of weights[t, s] * expert(ids[t, s] - expert_start)(x[t]), experts outside
 // [0, E_local) skipped (another rank's, under expert parallelism). w13: packed [E_local, 2I / 16, H, 16]
 // (gate rows, then up rows); w2: packed [E_local, H / 16, I, 16].
-void moe_experts(torch::Tensor out, torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13,
-                 torch::Tensor w2, int64_t expert_start) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat &&
-                  weights.scalar_type() == torch::kFloat && ids.scalar_type() == torch::kLong,
+void moe_experts(at::Tensor out, at::Tensor x, at::Tensor ids, at::Tensor weights, at::Tensor w13,
+                 at::Tensor w2, int64_t expert_start) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+                  weights.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong,
               "x, out, weights: float32; ids: int64");
   TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && ids.is_contiguous() && weights.is_contiguous() &&
                   w13.is_contiguous() && w2.is_contiguous(),
