@@ -14,7 +14,11 @@ llama.cpp is built by benchmarks/peers/llamacpp.py (the serving-quality branch's
 
 Beside the rates it prints the bytes of weights a decode step reads (all weights but the embedding) and
 the speed-up those bytes allow over float32: with an unquantized LM head that ceiling is low on a small
-model (the 56M model's 32k x 512 head is two fifths of its float32 bytes)."""
+model (the 56M model's 32k x 512 head is two fifths of its float32 bytes). Bytes bound batch 1; at batch
+16 a step is bound by arithmetic instead, so it also prints the multiply-adds per second of one layer's
+2048 x 1536 layer (600M shape, cache-resident) at 16 rows for each weight format, and float32's at 256 rows: the most
+this machine's float32 FMAs give, and so the most any weight-only format (which widens its weights to
+float32 and multiplies in float32) can reach."""
 
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ import random
 import re
 import subprocess
 import time
+
+import torch
 
 from engine import LLM, RequestOutputKind, SamplingParams
 from engine.models.builtin import materialize_builtin
@@ -103,6 +109,32 @@ def bench_llamacpp(model: str, args) -> dict:
     return rates
 
 
+def compute_rates(threads: int, n: int = 2048, k: int = 1536, group: int = 128) -> dict[tuple[str, int], float]:
+    """GMAC/s of one n x k linear layer per weight format and rows of x (weights cache-resident: arithmetic,
+    not memory, is what this measures)."""
+    from kernels.cpu.linear import pack_weight, packed_linear
+    from kernels.cpu.quant_linear import int4_linear, int8_linear, pack_int4
+
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    packed = pack_weight(torch.randn(n, k, generator=gen), 16)
+    q8, s8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 100
+    q4, s4 = pack_int4(torch.randint(0, 16, (n, k), generator=gen)), torch.rand(n, k // group, generator=gen) / 100
+    calls = {"float32": lambda x: packed_linear(x, packed, None), "int8": lambda x: int8_linear(x, q8, s8, None),
+             "int4": lambda x: int4_linear(x, q4, s4, -8 * s4, group, None)}
+    rates = {}
+    for name, rows in [("float32", 16), ("int8", 16), ("int4", 16), ("float32", 256)]:
+        x = torch.randn(rows, k, generator=gen)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(4):
+                calls[name](x)
+            best = min(best, (time.perf_counter() - start) / 4)
+        rates[name, rows] = rows * n * k / best / 1e9
+    return rates
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["pagedserve-56m", "pagedserve-600m"])
@@ -134,6 +166,15 @@ def main() -> None:
             print("\nweight bytes read per decode step, and the speed-up over float32 those bytes allow:")
             for name, n in nbytes.items():
                 print(f"  {name:9s} {n / 2**20:9.1f} MiB   ceiling {nbytes['float32'] / n:.2f}x")
+
+    rates = compute_rates(args.threads)
+    peak = rates["float32", 256]
+    print(f"\nmultiply-adds per second, one 2048 x 1536 layer (cache-resident), {args.threads} threads (GMAC/s):")
+    for name in ("float32", "int8", "int4"):
+        print(f"  {name:9s} 16 rows {rates[name, 16]:6.1f}")
+    print(f"  float32   256 rows {peak:5.1f}  (the machine's float32 FMA throughput: the ceiling of every format)")
+    print(f"a batch-16 step bound by arithmetic allows a weight-only format at most {peak / rates['float32', 16]:.2f}x "
+          "float32 on its linear layers")
 
 
 if __name__ == "__main__":

@@ -130,12 +130,15 @@ void moe_experts(at::Tensor out, at::Tensor x, at::Tensor ids, at::Tensor weight
     }
   }
   std::vector<float> act(pairs * I), y(pairs * H);
+  // Panel-major order: parallel_for hands each thread a contiguous range of items, and this way each range
+  // holds an equal share of every expert's panels, so threads get equal work however the tokens routed.
   std::vector<WorkItem> up_items, down_items;
-  for (int64_t e = 0; e < E; ++e) {
-    if (count[e + 1] == count[e]) continue;
-    for (int64_t p = 0; p < I / kPanel; ++p) up_items.push_back({e, p});
-    for (int64_t p = 0; p < H / kPanel; ++p) down_items.push_back({e, p});
-  }
+  for (int64_t p = 0; p < std::max(I, H) / kPanel; ++p)
+    for (int64_t e = 0; e < E; ++e) {
+      if (count[e + 1] == count[e]) continue;
+      if (p < I / kPanel) up_items.push_back({e, p});
+      if (p < H / kPanel) down_items.push_back({e, p});
+    }
 
   // (1) act[p, panel] = silu(x W_gate.T) * (x W_up.T)
   at::parallel_for(0, static_cast<int64_t>(up_items.size()), 1, [&](int64_t begin, int64_t end) {
