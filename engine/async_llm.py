@@ -143,6 +143,11 @@ class AsyncLLM:
     def is_healthy(self) -> bool:
         return self._dead is None and self._thread.is_alive() and self.worker_failure() is None
 
+    @property
+    def stopping(self) -> bool:
+        """stop_admitting() or shutdown() was called: the engine is on its way out on purpose."""
+        return self._stopping
+
     def worker_failure(self) -> str | None:
         """Why a rank of a multi-rank engine is gone (the engine itself notices at its next step), or None."""
         if self._launcher is not None:

@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import ray
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from ray import serve
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 _METRICS_PERIOD_S = 1.0
 _PRESSURE_PERIOD_S = 0.5
+_ENGINE_WATCH_PERIOD_S = 0.5
+_DEAD_ENGINE_ERROR_GRACE_S = 2.0  # longest wait for the streams of a dead engine to send their error
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class LLMServer:
         self.cpu = CpuPressure()
         self.saturated = False  # the CPU is saturated: streams coalesce (StreamPacing)
         self._pressure_task = asyncio.get_event_loop().create_task(self._watch_cpu())
+        self._engine_task = asyncio.get_event_loop().create_task(self._watch_engine())
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         """Stream delta RequestOutputs, one message per engine step that advanced the request: a token
@@ -224,6 +228,22 @@ class LLMServer:
             await asyncio.sleep(_PRESSURE_PERIOD_S)
             share = self.cpu.sample()
             self.saturated = share is not None and share >= threshold
+
+    async def _watch_engine(self) -> None:
+        """A dead engine (a fatal error, a rank's worker gone) never recovers. Serve would replace this replica
+        only after check_health failed three times in a row (~15 s at a 5 s period); ending the actor here, once
+        the streams in flight have sent their error, makes Serve replace it at its next check."""
+        while self.llm.is_healthy():
+            await asyncio.sleep(_ENGINE_WATCH_PERIOD_S)
+        if self.llm.stopping:
+            return  # shut down on purpose: Serve is stopping this replica already
+        deadline = time.monotonic() + _DEAD_ENGINE_ERROR_GRACE_S
+        while self.llm.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.2)  # the last error events leave this process
+        logger.error("the engine is dead (%s); ending replica %s so that Serve replaces it",
+                     self.llm.worker_failure() or "engine loop stopped", self.replica_id)
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     async def _export_metrics(self) -> None:
         while True:

@@ -16,8 +16,10 @@
 // Work is split over blocks of output rows; each block's weights stay in cache while every row of x
 // passes over them.
 
-#include <torch/extension.h>
+// Not torch/extension.h: paged_attention.cpp says why.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -170,8 +172,8 @@ struct Int4Kernel {
 };
 #endif
 
-void check_common(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& out) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat, "x, out: float32");
+void check_common(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "x, out: float32");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == weight.size(0),
               "x [M, K], out [M, N]");
@@ -180,10 +182,10 @@ void check_common(const torch::Tensor& x, const torch::Tensor& weight, const tor
 }  // namespace
 
 // out[m, n] = scales[n] * sum_k x[m, k] * weight[n, k]
-void int8_linear(torch::Tensor out, torch::Tensor x, torch::Tensor weight, torch::Tensor scales) {
+void int8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor scales) {
   check_common(x, weight, out);
-  TORCH_CHECK(weight.scalar_type() == torch::kChar && weight.size(1) == x.size(1), "weight: int8 [N, K]");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.numel() == weight.size(0), "scales: float32 [N]");
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.size(1) == x.size(1), "weight: int8 [N, K]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == weight.size(0), "scales: float32 [N]");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = weight.data_ptr<int8_t>();
@@ -212,13 +214,13 @@ void int8_linear(torch::Tensor out, torch::Tensor x, torch::Tensor weight, torch
 }
 
 // out[m, n] = sum_k x[m, k] * (q[n, k] * scales[n, k / group] + zeros[n, k / group])
-void int4_linear(torch::Tensor out, torch::Tensor x, torch::Tensor weight, torch::Tensor scales, torch::Tensor zeros,
+void int4_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor scales, at::Tensor zeros,
                  int64_t group) {
   check_common(x, weight, out);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(weight.scalar_type() == torch::kByte && weight.size(1) * 2 == K, "weight: uint8 [N, K / 2]");
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.size(1) * 2 == K, "weight: uint8 [N, K / 2]");
   TORCH_CHECK(group % 32 == 0 && K % group == 0, "group must be a multiple of 32 dividing K");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && zeros.scalar_type() == torch::kFloat &&
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && zeros.scalar_type() == at::kFloat &&
                   scales.is_contiguous() && zeros.is_contiguous() && scales.numel() == N * (K / group) &&
                   zeros.numel() == N * (K / group),
               "scales, zeros: float32 [N, K / group]");

@@ -59,12 +59,13 @@ def test_burst_scales_up_idle_scales_down_no_stream_cut(deploy_app):
     for t in burst:
         t.start()
     wait_for(lambda: _replicas() >= 2, timeout=90, interval=0.5)  # the queue built up: more replicas
-    for t in burst:
-        t.join()
-    # A stream that runs while the app scales back down must not be cut.
+    # A stream that runs while the app scales back down must not be cut. It starts now, not after the burst:
+    # routed by load, it lands on a new replica, one of those the scale-down then stops (draining it first).
     survivor: list = []
     streaming = threading.Thread(target=_stream, args=(url, survivor, 900))
     streaming.start()
+    for t in burst:
+        t.join()
     wait_for(lambda: _replicas() == 1, timeout=120, interval=0.5)
     streaming.join()
     assert results + survivor == [(200, 900, "length")] * 9
