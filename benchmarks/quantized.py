@@ -67,8 +67,9 @@ def read_bytes(llm: LLM) -> int:
 
 
 def bench_ours(model: str, args) -> tuple[dict, dict]:
-    blocks = max(args.batches) * -(-(args.prompt_len + args.decode_tokens + 2) // 16) + 8
-    engines = {name: LLM(model, num_kv_blocks=blocks, max_num_seqs=max(args.batches), max_model_len=16 * (blocks - 8),
+    blocks_per_request = -(-(args.prompt_len + args.decode_tokens + 2) // 16)
+    blocks = max(args.batches) * blocks_per_request + 8
+    engines = {name: LLM(model, num_kv_blocks=blocks, max_num_seqs=max(args.batches), max_model_len=16 * blocks_per_request,
                          num_threads=args.threads, **kwargs) for name, kwargs in OURS.items() if name in args.systems}
     for llm in engines.values():  # warm-up: kernels built, first allocations made
         decode_rate(llm, 1, args.prompt_len, 2)
