@@ -36,6 +36,8 @@ constexpr int64_t kRowsPerBlock = 3;  // output rows (weight rows) one microkern
 constexpr int64_t kMaxBatch = 4;      // rows of x one microkernel call covers
 // How far ahead of its loads a weight row is prefetched: the hardware prefetcher alone left these
 // compute-heavy loops reading DRAM at 8-15 GB/s (1 thread: 2-2.7x slower at 1 row of x; flat from 4 KiB).
+// Only when x's rows fit one pass (decode at small batches, bound by the bytes it reads): at more rows the
+// loops are bound by arithmetic, and the prefetches cost int8 at 16 rows a third of its speed.
 constexpr int64_t kPrefetchBytes = 4096;
 
 #ifdef PAGEDSERVE_AVX2
@@ -48,7 +50,7 @@ inline float hsum(__m256 v) {
 
 // MB rows of x times NB int8 weight rows (ldx, ldw apart) over their first K columns (K % 8 == 0 here; the
 // tail is the caller's).
-template <int MB, int NB>
+template <int MB, int NB, bool PF>
 inline void int8_block(const float* x, int64_t ldx, const int8_t* w, int64_t ldw, int64_t K,
                        float out[kMaxBatch][kRowsPerBlock]) {
   __m256 acc[MB][NB];
@@ -56,7 +58,7 @@ inline void int8_block(const float* x, int64_t ldx, const int8_t* w, int64_t ldw
     for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) {
     for (int n = 0; n < NB; ++n) {  // one widened weight vector live at a time: no accumulator spills
-      if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + n * ldw + k) + kPrefetchBytes, _MM_HINT_T0);
+      if (PF && k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + n * ldw + k) + kPrefetchBytes, _MM_HINT_T0);
       const __m256 wv =
           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + n * ldw + k))));
       for (int m = 0; m < MB; ++m) acc[m][n] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k), wv, acc[m][n]);
@@ -76,7 +78,7 @@ inline int64_t int4_lane_column(int64_t step, int64_t lane) { return (lane % 4) 
 // group is s * sum_k x q + z * sum_k x, and xsum [MB, groups] holds the second sum. A run of 32 columns
 // is one 16-byte load broadcast to both halves of a register; a variable shift puts the high nibbles in
 // the upper half, and each step shifts, masks and converts 8 columns.
-template <int MB, int NB>
+template <int MB, int NB, bool PF>
 inline void int4_block(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, const float* scales,
                        const float* zeros, int64_t K, int64_t group, float out[kMaxBatch][kRowsPerBlock]) {
   const int64_t groups = K / group;
@@ -93,7 +95,7 @@ inline void int4_block(const float* x, int64_t ldx, const float* xsum, const uin
         for (int i = 0; i < kSplit; ++i) acc[m][n][i] = _mm256_setzero_ps();
     for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
       for (int n = 0; n < NB; ++n) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + n * (K / 2) + k / 2) + kPrefetchBytes, _MM_HINT_T0);
+        if (PF) _mm_prefetch(reinterpret_cast<const char*>(w + n * (K / 2) + k / 2) + kPrefetchBytes, _MM_HINT_T0);
         const __m256i words = _mm256_srlv_epi32(
             _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * (K / 2) + k / 2))),
             halves);
@@ -159,15 +161,17 @@ inline void dispatch(int mb, int nb, Args&&... args) {
 #ifdef PAGEDSERVE_AVX2
 template <int MB, int NB>
 struct Int8Kernel {
-  static void run(const float* x, int64_t ldx, const int8_t* w, int64_t ldw, int64_t K, float (*out)[kRowsPerBlock]) {
-    int8_block<MB, NB>(x, ldx, w, ldw, K, out);
+  static void run(const float* x, int64_t ldx, const int8_t* w, int64_t ldw, int64_t K, bool prefetch,
+                  float (*out)[kRowsPerBlock]) {
+    prefetch ? int8_block<MB, NB, true>(x, ldx, w, ldw, K, out) : int8_block<MB, NB, false>(x, ldx, w, ldw, K, out);
   }
 };
 template <int MB, int NB>
 struct Int4Kernel {
   static void run(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, const float* s, const float* z,
-                  int64_t K, int64_t group, float (*out)[kRowsPerBlock]) {
-    int4_block<MB, NB>(x, ldx, xsum, w, s, z, K, group, out);
+                  int64_t K, int64_t group, bool prefetch, float (*out)[kRowsPerBlock]) {
+    prefetch ? int4_block<MB, NB, true>(x, ldx, xsum, w, s, z, K, group, out)
+             : int4_block<MB, NB, false>(x, ldx, xsum, w, s, z, K, group, out);
   }
 };
 #endif
@@ -192,6 +196,7 @@ void int8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor sca
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
+  const bool prefetch = M <= kMaxBatch;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     float acc[kMaxBatch][kRowsPerBlock];
     for (int64_t b = begin; b < end; ++b) {
@@ -201,7 +206,7 @@ void int8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor sca
         int64_t done = 0;
 #ifdef PAGEDSERVE_AVX2
         done = K - K % 8;
-        dispatch<Int8Kernel>(static_cast<int>(mb), static_cast<int>(nb), xp + m0 * K, K, wp + n0 * K, K, done, acc);
+        dispatch<Int8Kernel>(static_cast<int>(mb), static_cast<int>(nb), xp + m0 * K, K, wp + n0 * K, K, done, prefetch, acc);
 #endif
         for (int64_t m = 0; m < mb; ++m)
           for (int64_t n = 0; n < nb; ++n) {
@@ -242,6 +247,7 @@ void int4_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor sca
           x_lanes[m * K + k + step * 8 + lane] = xp[m * K + k + int4_lane_column(step, lane)];
 #endif
   const int64_t blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
+  const bool prefetch = M <= kMaxBatch;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     float acc[kMaxBatch][kRowsPerBlock];
     for (int64_t b = begin; b < end; ++b) {
@@ -250,7 +256,7 @@ void int4_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor sca
         const int64_t mb = std::min(kMaxBatch, M - m0);
 #ifdef PAGEDSERVE_AVX2
         dispatch<Int4Kernel>(static_cast<int>(mb), static_cast<int>(nb), x_lanes.data() + m0 * K, K, xsum.data() + m0 * groups,
-                             wp + n0 * (K / 2), sp + n0 * groups, zp + n0 * groups, K, group, acc);
+                             wp + n0 * (K / 2), sp + n0 * groups, zp + n0 * groups, K, group, prefetch, acc);
 #else
         for (int64_t m = 0; m < mb; ++m)
           for (int64_t n = 0; n < nb; ++n)
