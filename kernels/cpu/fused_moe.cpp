@@ -35,14 +35,16 @@ constexpr int64_t kMaxRows = 6;  // rows of x one microkernel call covers (6 x 2
 // compute-heavy loops well under the bandwidth; kernels/cpu/quant_linear.cpp measured it).
 constexpr int64_t kPrefetchFloats = 1024;
 
-// out[m][0..16) = sum_k rows[m][k] * panel[k][0..16), for m < mb (mb <= kMaxRows).
-template <int MB>
+// out[m][0..16) = sum_k rows[m][k] * panel[k][0..16), for m < mb (mb <= kMaxRows). PF: prefetch ahead, for
+// an expert whose rows fit one pass (bound by the bytes it reads); with more rows the loop is bound by
+// arithmetic and the prefetches halved its speed.
+template <int MB, bool PF>
 inline void panel_kernel(const float* const* rows, const float* panel, int64_t K, float out[kMaxRows][kPanel]) {
 #ifdef PAGEDSERVE_AVX2
   __m256 acc[MB][2];
   for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + k * kPanel + kPrefetchFloats), _MM_HINT_T0);  // a line per k
+    if (PF) _mm_prefetch(reinterpret_cast<const char*>(panel + k * kPanel + kPrefetchFloats), _MM_HINT_T0);  // a line per k
     const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
     for (int m = 0; m < MB; ++m) {
       const __m256 xv = _mm256_broadcast_ss(rows[m] + k);
@@ -63,14 +65,25 @@ inline void panel_kernel(const float* const* rows, const float* panel, int64_t K
 #endif
 }
 
-inline void panel_rows(int mb, const float* const* rows, const float* panel, int64_t K, float out[kMaxRows][kPanel]) {
+inline void panel_rows(int mb, bool prefetch, const float* const* rows, const float* panel, int64_t K,
+                       float out[kMaxRows][kPanel]) {
+  if (prefetch) {
+    switch (mb) {
+      case 6: return panel_kernel<6, true>(rows, panel, K, out);
+      case 5: return panel_kernel<5, true>(rows, panel, K, out);
+      case 4: return panel_kernel<4, true>(rows, panel, K, out);
+      case 3: return panel_kernel<3, true>(rows, panel, K, out);
+      case 2: return panel_kernel<2, true>(rows, panel, K, out);
+      default: return panel_kernel<1, true>(rows, panel, K, out);
+    }
+  }
   switch (mb) {
-    case 6: return panel_kernel<6>(rows, panel, K, out);
-    case 5: return panel_kernel<5>(rows, panel, K, out);
-    case 4: return panel_kernel<4>(rows, panel, K, out);
-    case 3: return panel_kernel<3>(rows, panel, K, out);
-    case 2: return panel_kernel<2>(rows, panel, K, out);
-    default: return panel_kernel<1>(rows, panel, K, out);
+    case 6: return panel_kernel<6, false>(rows, panel, K, out);
+    case 5: return panel_kernel<5, false>(rows, panel, K, out);
+    case 4: return panel_kernel<4, false>(rows, panel, K, out);
+    case 3: return panel_kernel<3, false>(rows, panel, K, out);
+    case 2: return panel_kernel<2, false>(rows, panel, K, out);
+    default: return panel_kernel<1, false>(rows, panel, K, out);
   }
 }
 
@@ -151,8 +164,9 @@ void moe_experts(at::Tensor out, at::Tensor x, at::Tensor ids, at::Tensor weight
       for (int64_t r0 = count[e]; r0 < count[e + 1]; r0 += kMaxRows) {
         const int mb = static_cast<int>(std::min(kMaxRows, count[e + 1] - r0));
         for (int m = 0; m < mb; ++m) rows[m] = xp + pair_token[r0 + m] * H;
-        panel_rows(mb, rows, gate_panel, H, gate);
-        panel_rows(mb, rows, up_panel, H, up);
+        const bool prefetch = count[e + 1] - count[e] <= kMaxRows;
+        panel_rows(mb, prefetch, rows, gate_panel, H, gate);
+        panel_rows(mb, prefetch, rows, up_panel, H, up);
         for (int m = 0; m < mb; ++m)
           for (int r = 0; r < kPanel; ++r) act[(r0 + m) * I + p * kPanel + r] = silu(gate[m][r]) * up[m][r];
       }
@@ -168,7 +182,7 @@ void moe_experts(at::Tensor out, at::Tensor x, at::Tensor ids, at::Tensor weight
       for (int64_t r0 = count[e]; r0 < count[e + 1]; r0 += kMaxRows) {
         const int mb = static_cast<int>(std::min(kMaxRows, count[e + 1] - r0));
         for (int m = 0; m < mb; ++m) rows[m] = act.data() + (r0 + m) * I;
-        panel_rows(mb, rows, panel, I, acc);
+        panel_rows(mb, count[e + 1] - count[e] <= kMaxRows, rows, panel, I, acc);
         for (int m = 0; m < mb; ++m) std::copy(acc[m], acc[m] + kPanel, y.data() + (r0 + m) * H + p * kPanel);
       }
     }
