@@ -103,12 +103,12 @@ class DenseFusedMoEMethod(FusedMoEMethod):
     """Unquantized experts: on CPU in float32 through kernels/cpu/fused_moe.cpp (weights repacked into its
     panels), elsewhere through torch's grouped matmul where it runs, else a loop of per-expert F.linear.
 
-    Measured on pagedserve-56m-moe's expert shape (8 experts, H 512, I 704, top-2; float32, 1 thread, best of
-    6 on a loaded 2-core host), the whole layer from the router's choice: the kernel took 0.20 / 1.8 / 3.0-3.4
-    / 8.3 / 28.6 ms at 1 / 8 / 32 / 128 / 512 tokens against 0.40 / 2.9-3.2 / 5.7-5.9 / 10.8 / 30.6-31.0 ms
-    for grouped_mm (weights stored expert-major transposed) with the sorting and combining around it, so
-    the kernel serves every size on CPU. Earlier, grouped_mm had beaten the F.linear loop by 10-30% up to
-    32 tokens; the loop serves where neither runs (e.g. float32 on CUDA)."""
+    Measured on pagedserve-56m-moe's expert shape (8 experts, H 512, I 704, top-2; float32, 2 threads, quiet
+    2-core host), the whole layer from the router's choice: the kernel took 0.12 / 1.5 / 2.7-3.2 / 8-9 / 30-34 ms
+    at 1 / 16 / 64 / 256 / 1024 tokens against 0.42 / 4.7-5.2 / 6.4-7.2 / 14-15 / 31-32 ms for grouped_mm
+    (weights stored expert-major transposed) with the sorting and combining around it, so the kernel serves
+    every size on CPU. Earlier, grouped_mm had beaten the F.linear loop by 10-30% up to 32 tokens; the loop
+    serves where neither runs (e.g. float32 on CUDA)."""
 
     def create_weights(self, layer, num_local_experts, hidden_size, intermediate_size_per_partition, params_dtype) -> None:
         e, h, i = num_local_experts, hidden_size, intermediate_size_per_partition
