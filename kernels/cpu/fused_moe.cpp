@@ -65,26 +65,21 @@ inline void panel_kernel(const float* const* rows, const float* panel, int64_t K
 #endif
 }
 
+template <bool PF>
+inline void panel_rows(int mb, const float* const* rows, const float* panel, int64_t K, float out[kMaxRows][kPanel]) {
+  switch (mb) {
+    case 6: return panel_kernel<6, PF>(rows, panel, K, out);
+    case 5: return panel_kernel<5, PF>(rows, panel, K, out);
+    case 4: return panel_kernel<4, PF>(rows, panel, K, out);
+    case 3: return panel_kernel<3, PF>(rows, panel, K, out);
+    case 2: return panel_kernel<2, PF>(rows, panel, K, out);
+    default: return panel_kernel<1, PF>(rows, panel, K, out);
+  }
+}
+
 inline void panel_rows(int mb, bool prefetch, const float* const* rows, const float* panel, int64_t K,
                        float out[kMaxRows][kPanel]) {
-  if (prefetch) {
-    switch (mb) {
-      case 6: return panel_kernel<6, true>(rows, panel, K, out);
-      case 5: return panel_kernel<5, true>(rows, panel, K, out);
-      case 4: return panel_kernel<4, true>(rows, panel, K, out);
-      case 3: return panel_kernel<3, true>(rows, panel, K, out);
-      case 2: return panel_kernel<2, true>(rows, panel, K, out);
-      default: return panel_kernel<1, true>(rows, panel, K, out);
-    }
-  }
-  switch (mb) {
-    case 6: return panel_kernel<6, false>(rows, panel, K, out);
-    case 5: return panel_kernel<5, false>(rows, panel, K, out);
-    case 4: return panel_kernel<4, false>(rows, panel, K, out);
-    case 3: return panel_kernel<3, false>(rows, panel, K, out);
-    case 2: return panel_kernel<2, false>(rows, panel, K, out);
-    default: return panel_kernel<1, false>(rows, panel, K, out);
-  }
+  prefetch ? panel_rows<true>(mb, rows, panel, K, out) : panel_rows<false>(mb, rows, panel, K, out);
 }
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }

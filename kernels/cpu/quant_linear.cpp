@@ -11,7 +11,8 @@
 // Layouts (row n of the weight, K input columns):
 //   int8: int8 [N, K]; scales float [N]; W[n, k] = scales[n] * q[n, k].
 //   int4: uint8 [N, K / 2], each run of 32 columns in 16 bytes: byte j holds column j in its low nibble and
-//         column j + 16 in its high nibble (so that two masks and a shift give 32 columns in order);
+//         column j + 16 in its high nibble (int4_block reads a run with one load and shifts, x permuted
+//         to its column order);
 //         scales, zeros float [N, K / group]; W[n, k] = q[n, k] * scales[n, g] + zeros[n, g], g = k / group.
 // Work is split over blocks of output rows; each block's weights stay in cache while every row of x
 // passes over them.
@@ -235,10 +236,10 @@ void int4_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor sca
   const float* sp = scales.data_ptr<float>();
   const float* zp = zeros.data_ptr<float>();
   float* op = out.data_ptr<float>();
+#ifdef PAGEDSERVE_AVX2
   std::vector<float> xsum(M * groups, 0.f);  // each row's sum over each group of columns (the zero terms)
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / group] += xp[m * K + k];
-#ifdef PAGEDSERVE_AVX2
   std::vector<float> x_lanes(M * K);  // x in the kernel's column order (int4_lane_column)
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; k += 32)
