@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import multiprocessing
 import queue
 import threading
 import uuid
@@ -30,6 +29,7 @@ from engine.input_processor import InputProcessor, PreparedRequest
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput, merge_deltas
+from engine.processes import process_context
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class AsyncLLM:
         self._thread.start()
 
     def _start_process(self, rendezvous: Rendezvous | None) -> None:
-        ctx = multiprocessing.get_context("spawn")  # never fork a process holding torch and Ray threads
+        ctx = process_context()
         commands_in, self._commands_out = ctx.Pipe(duplex=False)
         events_in, events_out = ctx.Pipe(duplex=False)
         self._process = ctx.Process(target=run_engine_process, args=(self.config, rendezvous, commands_in, events_out),

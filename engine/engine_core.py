@@ -101,7 +101,7 @@ def heap_trimmer(period_s: float = TRIM_PERIOD_S, idle_gap_s: float = 1.0) -> Ca
 
 
 def run_engine_process(config: EngineConfig, rendezvous: Rendezvous | None, commands: Connection, events: Connection) -> None:
-    """Entry point of the engine process (spawned, so it imports this module afresh). A multi-rank
+    """Entry point of the engine process (started by engine/processes.py's fork server). A multi-rank
     engine's workers were started by the parent (a daemonic process cannot start processes), which
     hands over where they wait."""
     try:

@@ -1,4 +1,4 @@
-"""The multiproc launcher: the ranks other than the driver's as spawned processes on this host (offline
+"""The multiproc launcher: the ranks other than the driver's as processes on this host (engine/processes.py; offline
 `LLM`, `AsyncLLM`, tests). It hosts the rendezvous store; its processes die with it (daemonic)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.distributed import ParallelLayout
 from engine.executor.base import WorkerLauncher
 from engine.executor.worker import Rendezvous, rank_error, run_worker
+from engine.processes import process_context
 
 _HOST = "127.0.0.1"
 
@@ -31,7 +32,7 @@ class ProcessLauncher(WorkerLauncher):
         rendezvous = Rendezvous(_HOST, self.store.port, f"pagedserve-{uuid.uuid4().hex[:12]}", layout,
                                 rendezvous_timeout_s, driver_device_index=layout.output_rank)
         self.rendezvous = rendezvous
-        ctx = multiprocessing.get_context("spawn")  # never fork a process holding torch threads
+        ctx = process_context()
         for rank in range(layout.world_size):
             if rank == layout.output_rank:
                 continue

@@ -3,7 +3,7 @@
 Every rank runs the same forward on the same ModelInput: its heads and MLP slice under tensor
 parallelism, its layers under pipeline parallelism (receiving the previous stage's hidden states and
 residual, sending its own on). Only the driver's worker, TP rank 0 of the last stage, returns logits.
-`run_worker` is the whole life of a rank other than the driver's, in a process of its own (spawned by
+`run_worker` is the whole life of a rank other than the driver's, in a process of its own (started by
 the multiproc launcher, or a Ray actor of the serving app)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """CPU kernels compiled on first use (torch.utils.cpp_extension, into torch's extension cache), one
-build per CPU type.
+build per CPU type; `make install` compiles them all ahead, side by side (`python -m kernels.cpu`).
 
 `load_cpu_kernels()` (paged attention), `load_quant_kernels()` (weight-only quantized linear layers) and
 `load_moe_kernels()` (mixture-of-experts layers) return a compiled module, or None when no compiler is

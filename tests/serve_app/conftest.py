@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 import pytest
 
 APP = "pagedserve"
 ENGINE = {"max_model_len": 1024, "num_kv_blocks": 512, "num_threads": 1}
+SMALL_APP = "small"
+SMALL_APP_KEYS = ("key-one", "key-two")
 HTTP_PORT = int(os.environ.get("PAGEDSERVE_TEST_HTTP_PORT", "8000"))
 BASE_URL = f"http://127.0.0.1:{HTTP_PORT}"
 # HAProxy's stats and metrics ports are fixed (8404, 9101) unless set: two apps behind HAProxy on one machine
@@ -27,12 +30,15 @@ if INGRESS not in ("haproxy", "proxy"):
 
 
 def pytest_collection_modifyitems(items):
-    # Tests that start their own Ray (serve run in a subprocess) must run before the shared instance exists.
-    items.sort(key=lambda item: 0 if item.get_closest_marker("own_ray") else 1)
+    # Tests that start their own Ray (serve run in a subprocess) must run before the shared instance exists;
+    # tests that kill or stop an app other tests share run after everything else.
+    items.sort(key=lambda item: 0 if item.get_closest_marker("own_ray") else
+               2 if item.get_closest_marker("runs_last") else 1)
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "own_ray: runs its own Ray, before the shared session instance starts")
+    config.addinivalue_line("markers", "runs_last: kills or stops an app that other tests share; runs after them")
 
 
 @pytest.fixture(scope="session")
@@ -62,7 +68,7 @@ def deploy_app(ray_session):
     deployed: dict[str, str] = {}
 
     def deploy(name: str, route_prefix: str, **args) -> str:
-        if name not in deployed:
+        if name not in deployed or name not in serve.status().applications:  # new, or deleted by a test
             args.setdefault("engine", ENGINE)
             serve.run(build_app(AppArgs(**args)), name=name, route_prefix=route_prefix)
             deployed[name] = BASE_URL + route_prefix.rstrip("/")
@@ -74,6 +80,32 @@ def deploy_app(ray_session):
 @pytest.fixture(scope="session")
 def serve_app_url(deploy_app) -> str:
     return deploy_app(APP, "/", model="pagedserve-tiny", num_replicas=2)
+
+
+@dataclass
+class SmallApp:
+    url: str
+    receiver: object  # benchmarks.otlp_receiver.OTLPReceiver
+    auth: dict[str, str]
+
+
+@pytest.fixture(scope="session")
+def small_app(deploy_app):
+    """One one-replica app for the checks that need settings of their own (each app deployed costs 15-25 s
+    on 2 cores), chosen so that they do not get in each other's way: two API keys; one running request and
+    one queued (the overload check); every stream paced as on a saturated CPU (pressure threshold 0, 0.25 s
+    rests); spans exported to `receiver` only once an hour, so that they are still queued when the app is
+    stopped, which the test that stops it (marked `runs_last`) checks."""
+    from benchmarks.otlp_receiver import OTLPReceiver
+
+    receiver = OTLPReceiver()
+    url = deploy_app(SMALL_APP, "/small", num_replicas=1, api_keys=list(SMALL_APP_KEYS),
+                     engine={**ENGINE, "max_num_seqs": 1, "max_waiting_requests": 1},
+                     stream_coalesce_cpu_pressure=0.0, stream_coalesce_interval_s=0.25,
+                     tracing={"exporter": "otlp", "protocol": "http/protobuf", "endpoint": receiver.endpoint,
+                              "export_interval_ms": 3_600_000})
+    yield SmallApp(url, receiver, {"Authorization": f"Bearer {SMALL_APP_KEYS[0]}"})
+    receiver.stop()
 
 
 @pytest.fixture(scope="session")

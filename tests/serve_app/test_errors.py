@@ -7,10 +7,9 @@ import threading
 import httpx
 import pytest
 
-from tests.serve_app.conftest import ENGINE, wait_for
+from tests.serve_app.conftest import SMALL_APP, SMALL_APP_KEYS, wait_for
 
 MODEL = "pagedserve-tiny"
-KEYS = ("key-one", "key-two")
 
 
 def _error(response: httpx.Response, status: int, param: str | None = None) -> dict:
@@ -128,33 +127,22 @@ def test_bad_requests_restart_no_replica(serve_app_url, engine_handle, replicas_
     assert r.status_code == 200
 
 
-@pytest.fixture(scope="module")
-def guarded_url(deploy_app):
-    """One small app for the API keys and the full queue (each app deployed costs seconds): one engine
-    replica that runs one request and queues one more, behind two keys."""
-    from ray import serve
-
-    yield deploy_app("guarded", "/guarded", num_replicas=1, api_keys=list(KEYS),
-                     engine={**ENGINE, "max_num_seqs": 1, "max_waiting_requests": 1})
-    serve.delete("guarded")
-
-
-def test_api_keys(guarded_url):
-    url = guarded_url
+def test_api_keys(small_app):
+    url = small_app.url
     body = {"prompt": "x", "max_tokens": 2}
     _error(httpx.post(url + "/v1/completions", json=body), 401)
     assert _error(httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"}), 401)["type"] == "authentication_error"
-    for key in KEYS:
+    for key in SMALL_APP_KEYS:
         assert httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60).status_code == 200
     assert httpx.get(url + "/health").status_code == 200  # no key needed outside /v1
-    assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEYS[1]}"}).status_code == 200
+    assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {SMALL_APP_KEYS[1]}"}).status_code == 200
 
 
-def test_overload_is_429_with_retry_after(guarded_url):
+def test_overload_is_429_with_retry_after(small_app):
     from ray import serve
 
-    url, auth = guarded_url, {"Authorization": f"Bearer {KEYS[0]}"}
-    handle = serve.get_deployment_handle("LLMServer", app_name="guarded")
+    url, auth = small_app.url, small_app.auth  # one request runs, one waits
+    handle = serve.get_deployment_handle("LLMServer", app_name=SMALL_APP)
     long = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True}
 
     def hold() -> None:

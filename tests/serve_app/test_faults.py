@@ -1,6 +1,9 @@
 """Fault injection on the live app: an engine replica or the ingress replica killed mid-stream
 (`ray.kill`). The affected streams end promptly with an error (no hang), Ray replaces the actor, the
-router stops choosing the dead replica, nothing is left running, and new requests succeed."""
+router stops choosing the dead replica, nothing is left running, and new requests succeed.
+
+These run on the session's shared app (2 engine replicas of the tiny model), after every other test
+(the `runs_last` marker): a separate app of the same shape would cost its start-up again."""
 
 from __future__ import annotations
 
@@ -11,18 +14,15 @@ import time
 import httpx
 import pytest
 
-from tests.serve_app.conftest import wait_for
+from tests.serve_app.conftest import APP, wait_for
 
-APP, PREFIX = "faults", "/faults"
 MAX_TOKENS = 400
+pytestmark = pytest.mark.runs_last
 
 
 @pytest.fixture(scope="module")
-def app_url(deploy_app):
-    from ray import serve
-
-    yield deploy_app(APP, PREFIX, num_replicas=2)
-    serve.delete(APP)
+def app_url(serve_app_url):
+    return serve_app_url
 
 
 def _replica_actors(deployment: str) -> list[str]:

@@ -12,12 +12,12 @@ import pytest
 from serve_app.cpu_pressure import CpuPressure
 
 
-def _events(url: str, max_tokens: int) -> tuple[list[int], float]:
+def _events(url: str, max_tokens: int, headers: dict | None = None) -> tuple[list[int], float]:
     """Tokens per SSE event of one streamed completion (continuous usage), and the time to the first."""
     body = {"prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     tokens, seen, start, first = [], 0, time.perf_counter(), None
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -30,15 +30,10 @@ def _events(url: str, max_tokens: int) -> tuple[list[int], float]:
 
 
 @pytest.mark.skipif(CpuPressure().path is None, reason="no CPU pressure information (Linux PSI) here")
-def test_saturated_cpu_coalesces_tokens(deploy_app):
-    from ray import serve
-
-    # Threshold 0: any pressure counts as saturated, so every stream is paced at 0.25 s.
-    url = deploy_app("paced", "/paced", num_replicas=1, stream_coalesce_cpu_pressure=0.0,
-                     stream_coalesce_interval_s=0.25)
-    time.sleep(1.5)  # the replica samples the pressure every 0.5 s
-    tokens, _ = _events(url, 200)
+def test_saturated_cpu_coalesces_tokens(small_app):
+    # small_app's threshold is 0: any pressure counts as saturated, so every stream is paced at 0.25 s.
+    time.sleep(1.5)  # a replica just started samples the pressure every 0.5 s
+    tokens, _ = _events(small_app.url, 200, small_app.auth)
     assert sum(tokens) == 200
     assert tokens[0] >= 1 and len(tokens) < 100, tokens  # fewer, fuller messages than one per step
     assert max(tokens) > 1
-    serve.delete("paced")  # its replica would otherwise share the 2 cores with every later test

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from benchmarks.otlp_receiver import OTLPReceiver
-from tests.serve_app.conftest import wait_for
+from tests.serve_app.conftest import SMALL_APP, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -82,19 +82,14 @@ def test_a_request_without_traceparent_starts_a_trace(traced):
     assert server.parent_span_id == "" and llm.parent_span_id == server.span_id
 
 
-def test_a_stopping_app_flushes_its_spans(deploy_app):
-    """Spans still queued for export (the interval is a minute here) leave when Serve stops the replicas."""
+@pytest.mark.runs_last
+def test_a_stopping_app_flushes_its_spans(small_app):
+    """Spans still queued for export (small_app exports once an hour) leave when Serve stops the replicas."""
     from ray import serve
 
-    receiver = OTLPReceiver()
-    try:
-        url = deploy_app("traced_flush", "/traced_flush", num_replicas=1, tracing={
-            "exporter": "otlp", "protocol": "http/protobuf", "endpoint": receiver.endpoint, "export_interval_ms": 60_000})
-        header, trace_id, _ = _traceparent()
-        r = httpx.post(url + "/v1/completions", json={"prompt": "bye", "max_tokens": 2}, headers={"traceparent": header},
-                       timeout=60)
-        assert r.status_code == 200 and receiver.trace(trace_id) == []
-        serve.delete("traced_flush")
-        assert {s.name for s in receiver.trace(trace_id)} >= {"POST /v1/completions", "llm_request"}
-    finally:
-        receiver.stop()
+    header, trace_id, _ = _traceparent()
+    r = httpx.post(small_app.url + "/v1/completions", json={"prompt": "bye", "max_tokens": 2},
+                   headers={"traceparent": header, **small_app.auth}, timeout=60)
+    assert r.status_code == 200 and small_app.receiver.trace(trace_id) == []
+    serve.delete(SMALL_APP)
+    assert {s.name for s in small_app.receiver.trace(trace_id)} >= {"POST /v1/completions", "llm_request"}
