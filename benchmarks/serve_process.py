@@ -28,6 +28,15 @@ ROOT = Path(__file__).resolve().parents[1]
 _ROLES = {"haproxy": "haproxy", "OpenAIIngress": "ingress", "LLMServer": "replica"}
 
 
+def _role(process) -> str | None:
+    """A process's role by its command line; the engine replica's descendants (its engine process, started
+    through a fork server, and that server) are the engine core; None for Ray's own."""
+    role = next((r for key, r in _ROLES.items() if key in " ".join(process.cmdline())), None)
+    if role is None and any("LLMServer" in " ".join(a.cmdline()) for a in process.parents()):
+        role = "engine core"
+    return role
+
+
 def load_config(path: str | Path) -> dict:
     return yaml.safe_load(Path(path).read_text())
 
@@ -60,10 +69,7 @@ class ServeApp:
             return total
         for p in procs:
             try:
-                cmdline = " ".join(p.cmdline())
-                role = next((r for key, r in _ROLES.items() if key in cmdline), "other")
-                if role == "other" and p.parent() is not None and "LLMServer" in " ".join(p.parent().cmdline()):
-                    role = "engine core"
+                role = _role(p) or "other"
                 t = p.cpu_times()
                 total[role] = total.get(role, 0.0) + t.user + t.system
             except psutil.Error:
@@ -77,10 +83,7 @@ class ServeApp:
         out: dict[str, list[int]] = {}
         for p in psutil.Process(self.process.pid).children(recursive=True):
             try:
-                cmdline = " ".join(p.cmdline())
-                role = next((r for key, r in _ROLES.items() if key in cmdline), None)
-                if role is None and p.parent() is not None and "LLMServer" in " ".join(p.parent().cmdline()):
-                    role = "engine core"
+                role = _role(p)
                 if role is not None:
                     out.setdefault(role, []).append(p.pid)
             except psutil.Error:
