@@ -72,6 +72,9 @@ def main() -> None:
             "pagedserve-56m-moe": LLM(MOE, **ENGINE),
             "pagedserve-56m (same active)": LLM(SAME_ACTIVE, **ENGINE),
             "dense, same total": LLM(str(same_total_dense(Path(tmp))), load_format="dummy", **ENGINE),
+            # Online quantization of every projection, experts included (expert by expert through the kernels).
+            "pagedserve-56m-moe, int8": LLM(MOE, quantization="int8", **ENGINE),
+            "pagedserve-56m-moe, int4": LLM(MOE, quantization="int4", **ENGINE),
         }
         steps: dict[tuple[str, int], list[float]] = {}
         for r in range(args.rounds):
@@ -79,13 +82,14 @@ def main() -> None:
                 for name, llm in engines.items():
                     steps.setdefault((name, batch), []).append(decode_step(llm, batch, rounds=args.decode_steps)[0])
             print(f"round {r + 1}/{args.rounds} done", flush=True)
-        sizes = {name: params_m(llm) for name, llm in engines.items()}
+        # Quantized weights are buffers, not parameters: those rows count the float32 model's parameters.
+        sizes = {name: params_m(engines[name.split(",")[0]]) for name in engines}
         moe_llm = engines.pop("pagedserve-56m-moe")
         del engines
 
     median = {key: statistics.median(v) for key, v in steps.items()}
     names = list(sizes)
-    print(f"\nDecode step (ms, median of {args.rounds} turns of {args.decode_steps} steps), float32\n")
+    print(f"\nDecode step (ms, median of {args.rounds} turns of {args.decode_steps} steps), float32 activations\n")
     print("| model | parameters (M) | " + " | ".join(f"batch {b}" for b in BATCHES) + " |")
     print("|---|---:|" + "---:|" * len(BATCHES))
     for name in names:
@@ -93,6 +97,9 @@ def main() -> None:
     for name, target in ((names[1], "<= 1.3x at batch 1"), (names[2], "<= 1.2x at batch 32")):
         ratios = ", ".join(f"batch {b} {median[names[0], b] / median[name, b]:.2f}x" for b in BATCHES)
         print(f"MoE / {name}: {ratios} (target {target})")
+    for name in names[3:]:
+        ratios = ", ".join(f"batch {b} {median[names[0], b] / median[name, b]:.2f}x" for b in BATCHES)
+        print(f"{name} speed-up over float32: {ratios}")
 
     if args.skip_hf:
         return

@@ -104,7 +104,7 @@ def _oracle_online(dense, out, scheme: str):
 
     oracle = {}
     for name, w in load_file(str(dense / "model.safetensors")).items():
-        if _is_linear(name):
+        if _is_linear(name) or (".experts." in name and name.endswith(".weight")):  # routers stay dense
             qw = quantize_int8(w) if scheme == "int8" else quantize_int4(w, int4_group_size(w.shape[1]))
             w = qw.dequantize()
         oracle[name] = w
@@ -120,6 +120,27 @@ def test_online_quantization_matches_its_dequantized_weights(arch, scheme, hf_ch
     model = llm.llm_engine.model_runner.model
     assert model.lm_head.quant_method.__class__.__name__ == "DenseLinearMethod"
     _check_parity(llm, oracle, f"{arch} {scheme}")
+
+
+@pytest.mark.parametrize("arch,scheme,experts", [("qwen3_moe", "int8", "int8"), ("mixtral", "int4", "int4+dense")])
+def test_online_quantization_of_experts_matches_its_dequantized_weights(arch, scheme, experts, hf_checkpoint, tmp_path):
+    """Every expert's projections quantized by the scheme and run through the quantized kernels; Mixtral's down
+    projections have 48 inputs, in int4 groups of 16 (under the kernel's 32), so they dequantize at load."""
+    from engine.models.layers.fused_moe import FusedMoE
+
+    dense = hf_checkpoint(arch)
+    oracle = str(_oracle_online(dense, tmp_path / "oracle", scheme))
+    llm = LLM(str(dense), **ENGINE, quantization=scheme)
+    model = llm.llm_engine.model_runner.model
+    assert {m.expert_compute for m in model.modules() if isinstance(m, FusedMoE)} == {experts}
+    _check_parity(llm, oracle, f"{arch} {scheme}")
+
+
+def test_quantized_moe_checkpoints_are_refused_naming_the_layer(hf_checkpoint, tmp_path):
+    path, _ = write_gptq(hf_checkpoint("qwen3_moe"), tmp_path / "gptq", bits=4, group_size=32, sym=True, desc_act=False,
+                         v1=True)
+    with pytest.raises(ValueError, match=r"gptq has no method for MoE experts \(model.layers.0.mlp.experts\)"):
+        LLM(str(path), **ENGINE)
 
 
 def test_online_quantization_error_within_the_scheme_bound(hf_checkpoint):
@@ -162,13 +183,13 @@ def test_packing_hand_worked_vectors():
     assert unpack_awq(torch.tensor([[0x86427531 - 2**32]], dtype=torch.int32)).flatten().tolist() == list(range(1, 9))
 
 
-@pytest.mark.parametrize("case", ["gptq4_actorder_v2", "online_int8"])
+@pytest.mark.parametrize("case", ["gptq4_actorder_v2", "online_int8", "online_int8_experts"])
 def test_tensor_parallel_equals_one_rank(case, quantized, hf_checkpoint):
     """TP=2 gives the one-rank engine's tokens and logprobs: act-order GPTQ (g_idx sliced per rank against
     replicated scales; down_proj's groups straddle the ranks, so it is dequantized there) and online int8
-    (row maxima all-reduced across the ranks of row-parallel layers)."""
-    if case == "online_int8":
-        model, quantization = str(hf_checkpoint("qwen2")), "int8"
+    (row maxima all-reduced across the ranks of row-parallel layers and of the experts' down projections)."""
+    if case.startswith("online_int8"):
+        model, quantization = str(hf_checkpoint("qwen3_moe" if case.endswith("experts") else "qwen2")), "int8"
     else:
         model, quantization = quantized(case)[0], None
     one = LLM(model, **ENGINE, quantization=quantization).generate(PROMPTS, PARAMS, use_tqdm=False)

@@ -183,7 +183,7 @@ class FusedMoE(nn.Module):
         method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
         if method is not None and not isinstance(method, FusedMoEMethod):
             raise ValueError(f"quantization: {quant_config.name} has no method for MoE experts ({prefix}); "
-                             "use a quantization that supports experts, or none")
+                             "quantize the experts online from a dense checkpoint ('int8', 'int4'), or use none")
         self.quant_method = method or DenseFusedMoEMethod()
         self.quant_method.create_weights(self, self.num_local_experts, hidden_size,
                                          self.intermediate_size_per_partition, torch.get_default_dtype())

@@ -1,6 +1,6 @@
 """Online quantization of a dense checkpoint at load (`EngineConfig.quantization`: int8 or int4), weight-
-only, for every linear projection inside the decoder layers (the embeddings and the LM head stay in the
-compute dtype):
+only, for every linear projection inside the decoder layers and every expert of an MoE layer (online_moe.py;
+the embeddings, the LM head and MoE routers stay in the compute dtype):
 
 - int8: symmetric per output row: scale = max|w| of the row / 127, q = round(w / scale), |q| <= 127;
   error per weight <= scale / 2.
@@ -66,6 +66,12 @@ class OnlineQuantConfig(QuantizationConfig):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethod | None:
         if ".layers." not in prefix:
             return None  # decoder projections only
+        # Imported here: the MoE layer's module imports this package.
+        from engine.models.layers.fused_moe import FusedMoE
+        from engine.models.layers.quantization.online_moe import OnlineQuantMoEMethod
+
+        if isinstance(layer, FusedMoE):
+            return OnlineQuantMoEMethod(self.name)
         if self.name == "int4":
             group = int4_group_size(layer.input_size)
             if layer.input_size_per_partition % group:

@@ -1,0 +1,94 @@
+"""Online int8 / int4 for mixture-of-experts layers (`EngineConfig.quantization` on an MoE checkpoint): each
+expert's gate_up and down projections quantized by the linear layers' schemes (engine/models/layers/
+quantization/online.py: int8 per row, int4 per group of a row's inputs), then multiplied expert by expert
+through the same quantized kernels. A projection whose shape the int4 kernel cannot take (groups under 32
+inputs) is dequantized once to float32 instead, as a linear layer's would be.
+
+Tensor parallelism slices each expert's intermediate dim: down's rows are split across ranks, so int8 takes
+each row's maximum over the group and int4's groups must not straddle two ranks, as for row-parallel linear
+layers. Expert parallelism holds whole experts. The router stays unquantized (its layer has no quant config)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.layers.fused_moe import DenseFusedMoEMethod, FusedMoE, FusedMoEMethod
+from engine.models.layers.quantization.online import int4_group_size, quantize_int4, quantize_int8
+from engine.models.layers.quantization.weight_only import QuantizedWeight, int4_layout, select_compute
+from kernels.cpu.quant_linear import int4_linear, int8_linear, pack_int4
+
+# Each fused projection, and whether tensor parallelism splits its rows' inputs (down: row-parallel).
+_PROJECTIONS = (("w13", False), ("w2", True))
+
+
+class OnlineQuantMoEMethod(FusedMoEMethod):
+    def __init__(self, scheme: str) -> None:
+        self.scheme = scheme
+
+    def create_weights(self, layer, num_local_experts, hidden_size, intermediate_size_per_partition, params_dtype) -> None:
+        # The checkpoint is dense: load it as the dense method does, quantize after loading.
+        DenseFusedMoEMethod().create_weights(layer, num_local_experts, hidden_size, intermediate_size_per_partition,
+                                             params_dtype)
+        sliced = layer.tp_size > 1 and not layer.expert_parallel
+        inputs = intermediate_size_per_partition * (layer.tp_size if sliced else 1)
+        if self.scheme == "int4" and intermediate_size_per_partition % int4_group_size(inputs):
+            raise ValueError(f"quantization: 'int4' groups {layer.prefix}'s down projection's {inputs} inputs by "
+                             f"{int4_group_size(inputs)}, which does not divide the {intermediate_size_per_partition} "
+                             "each rank holds; use another tensor_parallel_size, expert parallelism or 'int8'")
+
+    def process_weights_after_loading(self, layer: FusedMoE, batch_size_hint: int) -> None:
+        computes = []
+        for name, row_parallel in _PROJECTIONS:
+            weight = getattr(layer, f"{name}_weight").data  # [E, N, K]
+            delattr(layer, f"{name}_weight")
+            experts = self._quantize(layer, weight, row_parallel and layer.tp_size > 1 and not layer.expert_parallel)
+            compute = select_compute(experts[0], weight.device, f"{layer.prefix}.{name}")
+            if compute == "int8":
+                layer.register_buffer(f"{name}_q", torch.stack([(qw.q - 128).to(torch.int8) for qw in experts]))
+                layer.register_buffer(f"{name}_scales", torch.stack([qw.scales[0].float() for qw in experts]))
+            elif compute == "int4":
+                _, group = int4_layout(experts[0])  # contiguous groups here: no input permutation
+                runs = experts[0].g_idx[::group]
+                scales = torch.stack([qw.scales[runs].T.float() for qw in experts])
+                layer.register_buffer(f"{name}_q", torch.stack([pack_int4(qw.q) for qw in experts]))
+                layer.register_buffer(f"{name}_scales", scales)
+                layer.register_buffer(f"{name}_zeros", -torch.stack([qw.zeros[runs].T for qw in experts]) * scales)
+                setattr(layer, f"{name}_group", group)
+            else:
+                layer.register_buffer(f"{name}_q", torch.stack([qw.dequantize().to(weight.dtype) for qw in experts]))
+            setattr(layer, f"{name}_compute", compute)
+            computes.append(compute)
+        layer.expert_compute = "+".join(dict.fromkeys(computes))  # e.g. "int8", "int4+dense"
+
+    def _quantize(self, layer: FusedMoE, weight: torch.Tensor, sliced: bool) -> list[QuantizedWeight]:
+        """Every local expert's [N, K] projection in the scheme; `sliced`: K is this rank's part of each row."""
+        if self.scheme == "int8":
+            absmax = weight.float().abs().amax(dim=-1)  # [E, N]
+            if sliced:  # the whole row's maximum, in one all-reduce for every expert
+                absmax = layer.tp_group.all_reduce_max(absmax)
+            return [quantize_int8(w, m) for w, m in zip(weight, absmax)]
+        k = weight.shape[-1]
+        group = int4_group_size(k * layer.tp_size if sliced else k)
+        g_idx = (torch.arange(k) + (layer.tp_rank * k if sliced else 0)) // group
+        return [quantize_int4(w, group, g_idx) for w in weight]
+
+    def apply(self, layer: FusedMoE, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], layer.hidden_size)
+        start = 0
+        for e, end in enumerate(offsets.tolist()):  # one device sync for the whole loop
+            if end > start:
+                gate, up = _linear(layer, "w13", e, x[start:end]).chunk(2, dim=-1)
+                out[start:end] = _linear(layer, "w2", e, F.silu(gate) * up)
+            start = end
+        return out
+
+
+def _linear(layer: FusedMoE, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+    compute, q = getattr(layer, f"{name}_compute"), getattr(layer, f"{name}_q")[expert]
+    if compute == "int8":
+        return int8_linear(x, q, getattr(layer, f"{name}_scales")[expert], None)
+    if compute == "int4":
+        return int4_linear(x, q, getattr(layer, f"{name}_scales")[expert], getattr(layer, f"{name}_zeros")[expert],
+                           getattr(layer, f"{name}_group"), None)
+    return F.linear(x, q)
