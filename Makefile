@@ -41,8 +41,9 @@ PROXY_TESTS := tests/serve_app/test_errors.py \
 	tests/serve_app/test_openai_api.py::test_completion_stream_matches_non_stream \
 	tests/serve_app/test_openai_api.py::test_chat tests/serve_app/test_openai_api.py::test_n_and_seed
 
+# --durations: the slowest tests in CI's log, to keep the suite's time in view (its budget is 15 minutes on 2 cores).
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 	PAGEDSERVE_TEST_INGRESS=proxy $(BIN)/python -m pytest -q $(PROXY_TESTS)
 
 bench: install
