@@ -12,28 +12,27 @@ import pytest
 from serve_app.cpu_pressure import CpuPressure
 
 
-def _events(url: str, max_tokens: int, headers: dict | None = None) -> tuple[list[int], float]:
-    """Tokens per SSE event of one streamed completion (continuous usage), and the time to the first."""
+def _events(url: str, max_tokens: int, headers: dict | None = None) -> list[int]:
+    """Tokens per SSE event of one streamed completion (continuous usage)."""
     body = {"prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    tokens, seen, start, first = [], 0, time.perf_counter(), None
+    tokens, seen = [], 0
     with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 total = json.loads(line[6:])["usage"]["completion_tokens"]
                 if total > seen:
-                    first = first if first is not None else time.perf_counter() - start
                     tokens.append(total - seen)
                     seen = total
-    return tokens, first
+    return tokens
 
 
 @pytest.mark.skipif(CpuPressure().path is None, reason="no CPU pressure information (Linux PSI) here")
 def test_saturated_cpu_coalesces_tokens(small_app):
     # small_app's threshold is 0: any pressure counts as saturated, so every stream is paced at 0.25 s.
     time.sleep(1.5)  # a replica just started samples the pressure every 0.5 s
-    tokens, _ = _events(small_app.url, 200, small_app.auth)
+    tokens = _events(small_app.url, 200, small_app.auth)
     assert sum(tokens) == 200
     assert tokens[0] >= 1 and len(tokens) < 100, tokens  # fewer, fuller messages than one per step
     assert max(tokens) > 1
