@@ -180,6 +180,8 @@ class FusedMoE(nn.Module):
             self.num_local_experts, self.expert_start = num_experts, 0
             self.intermediate_size_per_partition = divide(intermediate_size, self.tp_size, f"{prefix} moe_intermediate_size")
         self.expert_parallel = expert_parallel and self.tp_size > 1
+        # Each rank holds a slice of every expert's intermediate dim (tensor parallelism without EP).
+        self.intermediate_sliced = self.tp_size > 1 and not self.expert_parallel
         method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
         if method is not None and not isinstance(method, FusedMoEMethod):
             raise ValueError(f"quantization: {quant_config.name} has no method for MoE experts ({prefix}); "
@@ -209,7 +211,7 @@ class FusedMoE(nn.Module):
         target = param.data.select(param.expert_dim, local)
         if half is not None:  # gate or up: rows [half * size, (half + 1) * size) of w13
             target = target.narrow(dim, half * size, size)
-        if self.tp_size > 1 and not self.expert_parallel:  # this rank's slice of the intermediate dim
+        if self.intermediate_sliced:  # this rank's slice of the intermediate dim
             loaded = loaded.narrow(dim, self.tp_rank * size, size)
         copy_checked(target, loaded)
 

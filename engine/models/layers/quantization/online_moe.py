@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from engine.models.layers.fused_moe import DenseFusedMoEMethod, FusedMoE, FusedMoEMethod
 from engine.models.layers.quantization.online import int4_group_size, quantize_int4, quantize_int8
-from engine.models.layers.quantization.weight_only import QuantizedWeight, int4_layout, select_compute
-from kernels.cpu.quant_linear import int4_linear, int8_linear, pack_int4
+from engine.models.layers.quantization.weight_only import QuantizedWeight, kernel_form, select_compute
+from kernels.cpu.quant_linear import int4_linear, int8_linear
 
 # Each fused projection, and whether tensor parallelism splits its rows' inputs (down: row-parallel).
 _PROJECTIONS = (("w13", False), ("w2", True))
@@ -30,8 +30,7 @@ class OnlineQuantMoEMethod(FusedMoEMethod):
         # The checkpoint is dense: load it as the dense method does, quantize after loading.
         DenseFusedMoEMethod().create_weights(layer, num_local_experts, hidden_size, intermediate_size_per_partition,
                                              params_dtype)
-        sliced = layer.tp_size > 1 and not layer.expert_parallel
-        inputs = intermediate_size_per_partition * (layer.tp_size if sliced else 1)
+        inputs = intermediate_size_per_partition * (layer.tp_size if layer.intermediate_sliced else 1)
         if self.scheme == "int4" and intermediate_size_per_partition % int4_group_size(inputs):
             raise ValueError(f"quantization: 'int4' groups {layer.prefix}'s down projection's {inputs} inputs by "
                              f"{int4_group_size(inputs)}, which does not divide the {intermediate_size_per_partition} "
@@ -42,21 +41,17 @@ class OnlineQuantMoEMethod(FusedMoEMethod):
         for name, row_parallel in _PROJECTIONS:
             weight = getattr(layer, f"{name}_weight").data  # [E, N, K]
             delattr(layer, f"{name}_weight")
-            experts = self._quantize(layer, weight, row_parallel and layer.tp_size > 1 and not layer.expert_parallel)
+            experts = self._quantize(layer, weight, row_parallel and layer.intermediate_sliced)
             compute = select_compute(experts[0], weight.device, f"{layer.prefix}.{name}")
-            if compute == "int8":
-                layer.register_buffer(f"{name}_q", torch.stack([(qw.q - 128).to(torch.int8) for qw in experts]))
-                layer.register_buffer(f"{name}_scales", torch.stack([qw.scales[0].float() for qw in experts]))
-            elif compute == "int4":
-                _, group = int4_layout(experts[0])  # contiguous groups here: no input permutation
-                runs = experts[0].g_idx[::group]
-                scales = torch.stack([qw.scales[runs].T.float() for qw in experts])
-                layer.register_buffer(f"{name}_q", torch.stack([pack_int4(qw.q) for qw in experts]))
-                layer.register_buffer(f"{name}_scales", scales)
-                layer.register_buffer(f"{name}_zeros", -torch.stack([qw.zeros[runs].T for qw in experts]) * scales)
-                setattr(layer, f"{name}_group", group)
-            else:
-                layer.register_buffer(f"{name}_q", torch.stack([qw.dequantize().to(weight.dtype) for qw in experts]))
+            if compute == "dense":
+                layer.register_buffer(f"{name}_weight", torch.stack([qw.dequantize().to(weight.dtype) for qw in experts]))
+            else:  # the linear layers' kernel form, stacked over experts (contiguous groups: input_perm is None)
+                forms = [kernel_form(qw, compute) for qw in experts]
+                for key, value in forms[0].items():
+                    if isinstance(value, torch.Tensor):
+                        layer.register_buffer(f"{name}_{key}", torch.stack([form[key] for form in forms]))
+                    else:
+                        setattr(layer, f"{name}_{key}", value)
             setattr(layer, f"{name}_compute", compute)
             computes.append(compute)
         layer.expert_compute = "+".join(dict.fromkeys(computes))  # e.g. "int8", "int4+dense"
@@ -85,10 +80,13 @@ class OnlineQuantMoEMethod(FusedMoEMethod):
 
 
 def _linear(layer: FusedMoE, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
-    compute, q = getattr(layer, f"{name}_compute"), getattr(layer, f"{name}_q")[expert]
+    def get(key: str):
+        return getattr(layer, f"{name}_{key}")
+
+    compute = get("compute")
     if compute == "int8":
-        return int8_linear(x, q, getattr(layer, f"{name}_scales")[expert], None)
+        return int8_linear(x, get("int8_weight")[expert], get("weight_scales")[expert], None)
     if compute == "int4":
-        return int4_linear(x, q, getattr(layer, f"{name}_scales")[expert], getattr(layer, f"{name}_zeros")[expert],
-                           getattr(layer, f"{name}_group"), None)
-    return F.linear(x, q)
+        return int4_linear(x, get("int4_weight")[expert], get("weight_scales")[expert], get("weight_zeros")[expert],
+                           get("group_size"), None)
+    return F.linear(x, get("weight")[expert])

@@ -78,19 +78,12 @@ class WeightOnlyMethod(QuantMethod):
         for name in self.checkpoint_param_names(layer):
             delattr(layer, name)
         layer.compute = select_compute(qw, qw.q.device, layer.prefix)
-        if layer.compute == "int8":
-            layer.register_buffer("int8_weight", (qw.q - 128).to(torch.int8).contiguous())
-            layer.register_buffer("weight_scales", qw.scales[0].float().contiguous())
-        elif layer.compute == "int4":
-            perm, group = int4_layout(qw)
-            q, g_idx = (qw.q, qw.g_idx) if perm is None else (qw.q[:, perm], qw.g_idx[perm])
-            runs = g_idx[::group]  # the group of each run of `group` columns
-            scales = qw.scales[runs].T.float()
-            layer.register_buffer("int4_weight", pack_int4(q))
-            layer.register_buffer("weight_scales", scales.contiguous())
-            layer.register_buffer("weight_zeros", (-qw.zeros[runs].T * scales).contiguous())  # q*s - z*s
-            layer.register_buffer("input_perm", perm)
-            layer.group_size = group
+        if layer.compute in ("int8", "int4"):
+            for name, value in kernel_form(qw, layer.compute).items():
+                if isinstance(value, int):
+                    setattr(layer, name, value)
+                else:
+                    layer.register_buffer(name, value)
         else:
             weight = nn.Parameter(qw.dequantize().to(layer.params_dtype), requires_grad=False)
             layer.register_parameter("weight", weight)
@@ -104,6 +97,21 @@ class WeightOnlyMethod(QuantMethod):
                 x = x.index_select(-1, layer.input_perm)
             return int4_linear(x, layer.int4_weight, layer.weight_scales, layer.weight_zeros, layer.group_size, bias)
         return _DENSE.apply(layer, x, bias)
+
+
+def kernel_form(qw: QuantizedWeight, compute: str) -> dict[str, torch.Tensor | int | None]:
+    """The tensors (and int4's group size) that the `compute` kernel ("int8" or "int4", from select_compute)
+    takes for `qw`, by the names a layer holds them under: int8_weight and weight_scales; int4_weight,
+    weight_scales, weight_zeros, input_perm (None for contiguous groups) and group_size."""
+    if compute == "int8":
+        return {"int8_weight": (qw.q - 128).to(torch.int8).contiguous(), "weight_scales": qw.scales[0].float().contiguous()}
+    perm, group = int4_layout(qw)
+    q, g_idx = (qw.q, qw.g_idx) if perm is None else (qw.q[:, perm], qw.g_idx[perm])
+    runs = g_idx[::group]  # the group of each run of `group` columns
+    scales = qw.scales[runs].T.float()
+    return {"int4_weight": pack_int4(q), "weight_scales": scales.contiguous(),
+            "weight_zeros": (-qw.zeros[runs].T * scales).contiguous(),  # q*s - z*s
+            "input_perm": perm, "group_size": group}
 
 
 def int4_layout(qw: QuantizedWeight) -> tuple[torch.Tensor | None, int] | tuple[None, None]:
