@@ -1,21 +1,25 @@
-// Weight-only quantized linear layers for the CPU: y = x @ W.T + b with W stored as int8 (one scale per
-// output row) or int4 (a scale and a float zero per row and group of input columns), x and y float32.
+// Weight-only quantized linear layers for the CPU: y = x @ W.T with W stored as int8 (one scale per output
+// row) or int4 (a scale and a float zero per output row and group of input columns), x and y float32.
 //
-// Decoding reads every weight once per step and does little arithmetic with it, so a decode step is
-// bound by the bytes of weights it reads: int8 reads a quarter of float32's, int4 an eighth. The
-// weights are widened to float32 in registers and never written back; every product and sum is a
-// float32 one. torch's own weight-only ops (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) have
-// fast paths for AVX-512 only: on our AVX2 machines they were 2x (batch 1) to 16x (batch 16) slower
-// than the dense float32 matmul they should beat.
+// Weights are widened to float32 in registers and never written back to memory in full; every product and
+// sum is a float32 one. torch's own weight-only ops (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) have
+// fast paths for AVX-512 only: on our AVX2 machines they were 2x (batch 1) to 16x (batch 16) slower than the
+// dense float32 matmul they should beat.
 //
-// Layouts (row n of the weight, K input columns):
-//   int8: int8 [N, K]; scales float [N]; W[n, k] = scales[n] * q[n, k].
-//   int4: uint8 [N, K / 2], each run of 32 columns in 16 bytes: byte j holds column j in its low nibble and
-//         column j + 16 in its high nibble (int4_block reads a run with one load and shifts, x permuted
-//         to its column order);
-//         scales, zeros float [N, K / group]; W[n, k] = q[n, k] * scales[n, g] + zeros[n, g], g = k / group.
-// Work is split over blocks of output rows; each block's weights stay in cache while every row of x
-// passes over them.
+// Layout: output rows in panels of 16 (the last one padded with zero rows), each panel column-major, so
+// that one input column's 16 weights are adjacent:
+//   int8: int8 [P, K, 16]: W[16 p + j, k] = scales[16 p + j] * q[p, k, j].
+//   int4: uint8 [P, K, 8]: byte j of column k holds row 16 p + j in its low nibble and row 16 p + j + 8 in
+//         its high one; W[n, k] = q * scales[n, g] + zeros[n, g], g = k / group (scales, zeros [N, K / group]).
+// Every kernel keeps [rows of x] x [16 output rows] accumulators and broadcasts one x element per column:
+// x is read 4 bytes per 16 multiply-adds. (Dot products along K, this file's first design, read x 32 bytes
+// per 8, from L2 once x outgrew L1, and widened each weight once per 4 rows of x.)
+//   - A few rows of x (decode at small batches, bound by the bytes of weights read): the panel's weights are
+//     widened in registers as they stream past.
+//   - More rows (bound by arithmetic): the first 4 rows of x multiply a chunk of the panel as it is widened,
+//     which also writes the widened chunk to an L1 buffer; 6 x 16 float32 tiles then multiply it by every
+//     other row of x. The widening is paid once per call, not once per few rows, and overlaps the FMAs.
+// Work is split over panels.
 
 // Not torch/extension.h: paged_attention.cpp says why.
 #include <ATen/Parallel.h>
@@ -24,6 +28,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -31,243 +36,341 @@
 #define PAGEDSERVE_AVX2 1
 #endif
 
+// GCC keeps arrays of vector accumulators in registers only when the loops over them are unrolled in full;
+// otherwise it stores every accumulator to the stack after each FMA (half the speed).
+#define PAGEDSERVE_UNROLL _Pragma("GCC unroll 16")
+
 namespace {
 
-constexpr int64_t kRowsPerBlock = 3;  // output rows (weight rows) one microkernel call covers
-constexpr int64_t kMaxBatch = 4;      // rows of x one microkernel call covers
-// How far ahead of its loads a weight row is prefetched: the hardware prefetcher alone left these
-// compute-heavy loops reading DRAM at 8-15 GB/s (1 thread: 2-2.7x slower at 1 row of x; flat from 4 KiB).
-// Only when x's rows fit one pass (decode at small batches, bound by the bytes it reads): at more rows the
-// loops are bound by arithmetic, and the prefetches cost int8 at 16 rows a third of its speed.
+constexpr int64_t kPanel = 16;        // output rows per panel
+constexpr int64_t kDirectRows = 4;    // rows of x up to which weights are only widened in registers
+constexpr int64_t kTileRows = 6;      // rows of x per float32 tile: 12 accumulators + 2 weights + 1 broadcast
+constexpr int64_t kChunk = 256;       // input columns widened at a time: 16 KiB of float32, half of L1
+// Streaming a panel while doing little arithmetic per byte, the hardware prefetcher alone left these loops
+// reading DRAM at 8-15 GB/s; software prefetches this far ahead keep batch-1 decode at the bandwidth.
 constexpr int64_t kPrefetchBytes = 4096;
 
-#ifdef PAGEDSERVE_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+// One panel: its rows' scales (and int4's zeros) gathered into 16-wide vectors per group, 0 for the padding
+// rows: params[g][0..15] scales, params[g][16..31] zeros.
+struct Panel {
+  int64_t index, rows;  // panel number, real rows in it (16 but in the last panel)
+  const float* params;
+
+  Panel(int64_t p, int64_t N, const float* scales, const float* zeros, int64_t groups, std::vector<float>& storage)
+      : index(p), rows(std::min(kPanel, N - p * kPanel)) {
+    storage.assign(groups * 2 * kPanel, 0.f);
+    for (int64_t j = 0; j < rows; ++j)
+      for (int64_t g = 0; g < groups; ++g) {
+        storage[g * 2 * kPanel + j] = scales[(index * kPanel + j) * groups + g];
+        if (zeros) storage[g * 2 * kPanel + kPanel + j] = zeros[(index * kPanel + j) * groups + g];
+      }
+    params = storage.data();
+  }
+  const float* scales(int64_t g) const { return params + g * 2 * kPanel; }
+  const float* zeros(int64_t g) const { return params + g * 2 * kPanel + kPanel; }
+};
+
+// Write tiles [rows of x][16]'s first `panel.rows` columns to out [M, N].
+inline void store_tiles(const float* tiles, int64_t M, const Panel& panel, float* out, int64_t N) {
+  for (int64_t m = 0; m < M; ++m)
+    std::memcpy(out + m * N + panel.index * kPanel, tiles + m * kPanel, panel.rows * sizeof(float));
 }
 
-// MB rows of x times NB int8 weight rows (ldx, ldw apart) over their first K columns (K % 8 == 0 here; the
-// tail is the caller's).
-template <int MB, int NB, bool PF>
-inline void int8_block(const float* x, int64_t ldx, const int8_t* w, int64_t ldw, int64_t K,
-                       float out[kMaxBatch][kRowsPerBlock]) {
-  __m256 acc[MB][NB];
-  for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    for (int n = 0; n < NB; ++n) {  // one widened weight vector live at a time: no accumulator spills
-      if (PF && k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + n * ldw + k) + kPrefetchBytes, _MM_HINT_T0);
-      const __m256 wv =
-          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + n * ldw + k))));
-      for (int m = 0; m < MB; ++m) acc[m][n] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k), wv, acc[m][n]);
+#ifdef PAGEDSERVE_AVX2
+// A panel's column k as rows 0-7 and 8-15: int8 as integers; int4 as integers or dequantized.
+struct Int8Columns {
+  const int8_t* w;
+  void operator()(int64_t k, __m256& lo, __m256& hi) const {
+    const int8_t* column = w + k * kPanel;
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column))));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column + 8))));
+  }
+};
+
+struct Int4Columns {
+  const uint8_t* w;
+  void operator()(int64_t k, __m256& lo, __m256& hi) const {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k * kPanel / 2)));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  }
+};
+
+struct Int4DequantizedColumns {
+  Int4Columns integers;
+  const Panel& panel;
+  int64_t group;
+  void operator()(int64_t k, __m256& lo, __m256& hi) const {
+    integers(k, lo, hi);
+    const float *s = panel.scales(k / group), *z = panel.zeros(k / group);
+    lo = _mm256_fmadd_ps(lo, _mm256_loadu_ps(s), _mm256_loadu_ps(z));
+    hi = _mm256_fmadd_ps(hi, _mm256_loadu_ps(s + 8), _mm256_loadu_ps(z + 8));
+  }
+};
+
+template <int MB, int SPLIT>
+using Accumulators = __m256[SPLIT][MB][2];
+
+template <int MB, int SPLIT>
+inline void zero(Accumulators<MB, SPLIT>& acc) {
+  PAGEDSERVE_UNROLL for (int s = 0; s < SPLIT; ++s)
+    PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) acc[s][m][0] = acc[s][m][1] = _mm256_setzero_ps();
+}
+
+// acc[s][m] += x[m, k + s] * column k + s of the panel for columns [begin, end), widened by `columns`. SPLIT
+// independent sums per accumulator for few rows of x, where one would chain a dependent FMA per column.
+template <int MB, int SPLIT, typename Columns>
+inline void direct_columns(const float* x, int64_t K, int64_t begin, int64_t end, const Columns& columns,
+                           const char* w, int64_t column_bytes, Accumulators<MB, SPLIT>& acc) {
+  int64_t k = begin;
+  for (; k + SPLIT <= end; k += SPLIT) {
+    if ((k * column_bytes) % 64 < SPLIT * column_bytes) _mm_prefetch(w + k * column_bytes + kPrefetchBytes, _MM_HINT_T0);
+    PAGEDSERVE_UNROLL for (int s = 0; s < SPLIT; ++s) {
+      __m256 lo, hi;
+      columns(k + s, lo, hi);
+      PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) {
+        const __m256 xb = _mm256_broadcast_ss(x + m * K + k + s);
+        acc[s][m][0] = _mm256_fmadd_ps(xb, lo, acc[s][m][0]);
+        acc[s][m][1] = _mm256_fmadd_ps(xb, hi, acc[s][m][1]);
+      }
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) out[m][n] = hsum(acc[m][n]);
+  for (; k < end; ++k) {
+    __m256 lo, hi;
+    columns(k, lo, hi);
+    PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(x + m * K + k);
+      acc[0][m][0] = _mm256_fmadd_ps(xb, lo, acc[0][m][0]);
+      acc[0][m][1] = _mm256_fmadd_ps(xb, hi, acc[0][m][1]);
+    }
+  }
 }
 
-// Column order inside a run of 32 as int4_block reads it: step s (0..3) of a run takes 8 columns, lane i
-// of the 8 being byte (i % 4) * 4 + s of the run, low nibble for i < 4 and high nibble for i >= 4. x is
-// permuted into this order once per call (int4_linear), so the weights need no shuffles at all.
-inline int64_t int4_lane_column(int64_t step, int64_t lane) { return (lane % 4) * 4 + step + (lane / 4) * 16; }
+// tiles[m] (+)= the SPLIT sums of row m, times `scales` (16 floats) when given.
+template <int MB, int SPLIT>
+inline void accumulate(const Accumulators<MB, SPLIT>& acc, const float* scales, float* tiles, bool first) {
+  PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) {
+    __m256 lo = acc[0][m][0], hi = acc[0][m][1];
+    PAGEDSERVE_UNROLL for (int s = 1; s < SPLIT; ++s) {
+      lo = _mm256_add_ps(lo, acc[s][m][0]);
+      hi = _mm256_add_ps(hi, acc[s][m][1]);
+    }
+    float* t = tiles + m * kPanel;
+    if (scales) {
+      lo = _mm256_mul_ps(lo, _mm256_loadu_ps(scales));
+      hi = _mm256_mul_ps(hi, _mm256_loadu_ps(scales + 8));
+    }
+    if (!first) {
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(t));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(t + 8));
+    }
+    _mm256_storeu_ps(t, lo);
+    _mm256_storeu_ps(t + 8, hi);
+  }
+}
 
-// MB rows of (permuted) x times NB int4 weight rows over all K columns (K % 32 == 0, group % 32 == 0). Per
-// group the products with the bare integers q are summed first and scaled once: sum_k x (q s + z) over a
-// group is s * sum_k x q + z * sum_k x, and xsum [MB, groups] holds the second sum. A run of 32 columns
-// is one 16-byte load broadcast to both halves of a register; a variable shift puts the high nibbles in
-// the upper half, and each step shifts, masks and converts 8 columns.
-template <int MB, int NB, bool PF>
-inline void int4_block(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, const float* scales,
-                       const float* zeros, int64_t K, int64_t group, float out[kMaxBatch][kRowsPerBlock]) {
+// MB (<= 4) rows of x times one int8 panel, widened in registers.
+template <int MB, int SPLIT>
+void int8_direct(const float* x, int64_t K, const int8_t* w, const Panel& panel, float* tiles) {
+  Accumulators<MB, SPLIT> acc;
+  zero(acc);
+  direct_columns<MB, SPLIT>(x, K, 0, K, Int8Columns{w}, reinterpret_cast<const char*>(w), kPanel, acc);
+  accumulate(acc, panel.scales(0), tiles, true);
+}
+
+// MB (<= 4) rows of x times one int4 panel, widened in registers. Per group the products with the bare
+// integers q are summed first and scaled once: sum_k x (q s + z) over a group is s * sum_k x q + z * sum_k x,
+// and xsum [MB, groups] holds the last sum. (Dequantizing each column instead costs two FMAs more per
+// column: a fifth more work at one row of x.)
+template <int MB, int SPLIT>
+void int4_direct(const float* x, int64_t K, int64_t group, const float* xsum, const uint8_t* w, const Panel& panel,
+                 float* tiles) {
   const int64_t groups = K / group;
-  const __m256i low = _mm256_set1_epi32(0x0F), halves = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
-  // Independent sums per step for few rows: one sum per (m, n) would chain 4 dependent FMAs per run.
-  constexpr int kSplit = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
-  __m256 total[MB][NB];
-  for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) total[m][n] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m256 acc[MB][NB][kSplit];
-    for (int m = 0; m < MB; ++m)
-      for (int n = 0; n < NB; ++n)
-        for (int i = 0; i < kSplit; ++i) acc[m][n][i] = _mm256_setzero_ps();
-    for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
-      for (int n = 0; n < NB; ++n) {
-        if (PF) _mm_prefetch(reinterpret_cast<const char*>(w + n * (K / 2) + k / 2) + kPrefetchBytes, _MM_HINT_T0);
-        const __m256i words = _mm256_srlv_epi32(
-            _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * (K / 2) + k / 2))),
-            halves);
-        for (int step = 0; step < 4; ++step) {
-          const __m256 wv = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(words, 8 * step), low));
-          for (int m = 0; m < MB; ++m)
-            acc[m][n][step % kSplit] =
-                _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k + step * 8), wv, acc[m][n][step % kSplit]);
-        }
-      }
-    }
-    for (int n = 0; n < NB; ++n) {
-      const __m256 sv = _mm256_broadcast_ss(scales + n * groups + g);
-      for (int m = 0; m < MB; ++m) {
-        __m256 sum = acc[m][n][0];
-        for (int i = 1; i < kSplit; ++i) sum = _mm256_add_ps(sum, acc[m][n][i]);
-        total[m][n] = _mm256_fmadd_ps(sum, sv, total[m][n]);
-      }
+    Accumulators<MB, SPLIT> acc;
+    zero(acc);
+    direct_columns<MB, SPLIT>(x, K, g * group, (g + 1) * group, Int4Columns{w}, reinterpret_cast<const char*>(w),
+                              kPanel / 2, acc);
+    accumulate(acc, panel.scales(g), tiles, g == 0);
+    const __m256 z0 = _mm256_loadu_ps(panel.zeros(g)), z1 = _mm256_loadu_ps(panel.zeros(g) + 8);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xs = _mm256_broadcast_ss(xsum + m * groups + g);
+      float* t = tiles + m * kPanel;
+      _mm256_storeu_ps(t, _mm256_fmadd_ps(z0, xs, _mm256_loadu_ps(t)));
+      _mm256_storeu_ps(t + 8, _mm256_fmadd_ps(z1, xs, _mm256_loadu_ps(t + 8)));
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) {
-      float zero_terms = 0.f;
-      for (int64_t g = 0; g < groups; ++g) zero_terms += zeros[n * groups + g] * xsum[m * groups + g];
-      out[m][n] = hsum(total[m][n]) + zero_terms;
+}
+
+// tiles[MB][16] (+)= MB rows of x (K apart) times columns [c, c + kc) of the panel, widened by `columns`, which
+// are also written to buffer [kc][16] for the other rows of x.
+template <int MB, typename Columns>
+void widening_tile(const float* x, int64_t K, int64_t c, int64_t kc, const Columns& columns, float* buffer,
+                   float* tiles) {
+  Accumulators<MB, 1> acc;
+  zero(acc);
+  for (int64_t k = 0; k < kc; ++k) {
+    __m256 lo, hi;
+    columns(c + k, lo, hi);
+    _mm256_store_ps(buffer + k * kPanel, lo);
+    _mm256_store_ps(buffer + k * kPanel + 8, hi);
+    PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(x + m * K + c + k);
+      acc[0][m][0] = _mm256_fmadd_ps(xb, lo, acc[0][m][0]);
+      acc[0][m][1] = _mm256_fmadd_ps(xb, hi, acc[0][m][1]);
     }
+  }
+  accumulate(acc, nullptr, tiles, c == 0);
+}
+
+// tiles[MB][16] (+)= MB rows of x (K apart) times buffer [kc][16], the widened columns [c, c + kc).
+template <int MB>
+void float_tile(const float* x, int64_t K, int64_t c, int64_t kc, const float* buffer, float* tiles) {
+  Accumulators<MB, 1> acc;
+  zero(acc);
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 lo = _mm256_load_ps(buffer + k * kPanel), hi = _mm256_load_ps(buffer + k * kPanel + 8);
+    PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(x + m * K + c + k);
+      acc[0][m][0] = _mm256_fmadd_ps(xb, lo, acc[0][m][0]);
+      acc[0][m][1] = _mm256_fmadd_ps(xb, hi, acc[0][m][1]);
+    }
+  }
+  accumulate(acc, nullptr, tiles, c == 0);
+}
+
+// Every row of x (M > kDirectRows of them) times the panel `columns` widens, chunk by chunk, into tiles [M][16].
+template <typename Columns>
+void chunked_panel(const float* x, int64_t M, int64_t K, const Columns& columns, float* buffer, float* tiles) {
+  for (int64_t c = 0; c < K; c += kChunk) {
+    const int64_t kc = std::min(kChunk, K - c);
+    widening_tile<kDirectRows>(x, K, c, kc, columns, buffer, tiles);
+    int64_t m = kDirectRows;
+    for (; m + kTileRows <= M; m += kTileRows) float_tile<kTileRows>(x + m * K, K, c, kc, buffer, tiles + m * kPanel);
+    const float* xm = x + m * K;
+    float* tm = tiles + m * kPanel;
+    switch (M - m) {
+      case 5: float_tile<5>(xm, K, c, kc, buffer, tm); break;
+      case 4: float_tile<4>(xm, K, c, kc, buffer, tm); break;
+      case 3: float_tile<3>(xm, K, c, kc, buffer, tm); break;
+      case 2: float_tile<2>(xm, K, c, kc, buffer, tm); break;
+      case 1: float_tile<1>(xm, K, c, kc, buffer, tm); break;
+    }
+  }
+}
+
+// tiles [M][16] *= the panel's scales (int8, whose chunked tiles multiply the bare integers).
+void scale_tiles(float* tiles, int64_t M, const Panel& panel) {
+  const __m256 s0 = _mm256_loadu_ps(panel.scales(0)), s1 = _mm256_loadu_ps(panel.scales(0) + 8);
+  for (int64_t m = 0; m < M; ++m) {
+    _mm256_storeu_ps(tiles + m * kPanel, _mm256_mul_ps(_mm256_loadu_ps(tiles + m * kPanel), s0));
+    _mm256_storeu_ps(tiles + m * kPanel + 8, _mm256_mul_ps(_mm256_loadu_ps(tiles + m * kPanel + 8), s1));
+  }
 }
 #endif
 
-// Portable fallbacks (and the int8 K tail): plain loops the compiler vectorises as it can.
-inline float int8_dot(const float* x, const int8_t* w, int64_t begin, int64_t end) {
-  float s = 0.f;
-  for (int64_t k = begin; k < end; ++k) s += x[k] * static_cast<float>(w[k]);
-  return s;
-}
-
-inline float int4_dot(const float* x, const uint8_t* w, const float* scales, const float* zeros, int64_t K,
-                      int64_t group) {
-  float s = 0.f;
-  for (int64_t k = 0; k < K; k += 32) {
-    const float sc = scales[k / group], z = zeros[k / group];
-    const uint8_t* b = w + k / 2;
-    for (int j = 0; j < 16; ++j) {
-      s += x[k + j] * (static_cast<float>(b[j] & 0x0F) * sc + z);
-      s += x[k + 16 + j] * (static_cast<float>(b[j] >> 4) * sc + z);
+// Portable fallback: tiles [M][16] = x times the panel, `weight_at(k, j)` giving row j's weight in column k.
+template <typename WeightAt>
+void portable_panel(const float* x, int64_t M, int64_t K, WeightAt weight_at, float* tiles) {
+  std::fill(tiles, tiles + M * kPanel, 0.f);
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t j = 0; j < kPanel; ++j) {
+      const float w = weight_at(k, j);
+      for (int64_t m = 0; m < M; ++m) tiles[m * kPanel + j] += x[m * K + k] * w;
     }
-  }
-  return s;
 }
 
-// Dispatch a block of (mb <= 4) x (nb <= 3) to the microkernel instantiated for it.
-template <template <int, int> class Kernel, typename... Args>
-inline void dispatch(int mb, int nb, Args&&... args) {
-#define PAGEDSERVE_CASE(M, N) \
-  if (mb == M && nb == N) return Kernel<M, N>::run(std::forward<Args>(args)...);
-  PAGEDSERVE_CASE(4, 3) PAGEDSERVE_CASE(4, 2) PAGEDSERVE_CASE(4, 1)
-  PAGEDSERVE_CASE(3, 3) PAGEDSERVE_CASE(3, 2) PAGEDSERVE_CASE(3, 1)
-  PAGEDSERVE_CASE(2, 3) PAGEDSERVE_CASE(2, 2) PAGEDSERVE_CASE(2, 1)
-  PAGEDSERVE_CASE(1, 3) PAGEDSERVE_CASE(1, 2) PAGEDSERVE_CASE(1, 1)
-#undef PAGEDSERVE_CASE
-}
-
-#ifdef PAGEDSERVE_AVX2
-template <int MB, int NB>
-struct Int8Kernel {
-  static void run(const float* x, int64_t ldx, const int8_t* w, int64_t ldw, int64_t K, bool prefetch,
-                  float (*out)[kRowsPerBlock]) {
-    prefetch ? int8_block<MB, NB, true>(x, ldx, w, ldw, K, out) : int8_block<MB, NB, false>(x, ldx, w, ldw, K, out);
-  }
-};
-template <int MB, int NB>
-struct Int4Kernel {
-  static void run(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, const float* s, const float* z,
-                  int64_t K, int64_t group, bool prefetch, float (*out)[kRowsPerBlock]) {
-    prefetch ? int4_block<MB, NB, true>(x, ldx, xsum, w, s, z, K, group, out)
-             : int4_block<MB, NB, false>(x, ldx, xsum, w, s, z, K, group, out);
-  }
-};
-#endif
-
-void check_common(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
+void check_common(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out, int64_t bytes_per_column) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "x, out: float32");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(), "inputs must be contiguous");
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == weight.size(0),
-              "x [M, K], out [M, N]");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == x.size(0), "x [M, K], out [M, N]");
+  TORCH_CHECK(weight.dim() == 3 && weight.size(0) == (out.size(1) + kPanel - 1) / kPanel &&
+                  weight.size(1) == x.size(1) && weight.size(2) == bytes_per_column,
+              "weight: [ceil(N / 16), K, ", bytes_per_column, "]");
+}
+
+// `compute(panel, tiles [M][16], buffer)` on every panel, in parallel; each panel's tiles are then stored.
+template <typename Compute>
+void run_panels(int64_t M, int64_t N, float* out, const float* scales, const float* zeros, int64_t groups,
+                Compute compute) {
+  at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> tiles(M * kPanel), params;
+    alignas(32) float buffer[kChunk * kPanel];
+    for (int64_t p = begin; p < end; ++p) {
+      const Panel panel(p, N, scales, zeros, groups, params);
+      compute(panel, tiles.data(), buffer);
+      store_tiles(tiles.data(), M, panel, out, N);
+    }
+  });
 }
 
 }  // namespace
 
-// out[m, n] = scales[n] * sum_k x[m, k] * weight[n, k]
+// out[m, n] = scales[n] * sum_k x[m, k] * q[n, k]
 void int8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor scales) {
-  check_common(x, weight, out);
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.size(1) == x.size(1), "weight: int8 [N, K]");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == weight.size(0), "scales: float32 [N]");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  check_common(x, weight, out, kPanel);
+  TORCH_CHECK(weight.scalar_type() == at::kChar, "weight: int8");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == out.size(1),
+              "scales: float32 [N]");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = weight.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
-  const bool prefetch = M <= kMaxBatch;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    float acc[kMaxBatch][kRowsPerBlock];
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kRowsPerBlock, nb = std::min(kRowsPerBlock, N - n0);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxBatch) {
-        const int64_t mb = std::min(kMaxBatch, M - m0);
-        int64_t done = 0;
+  run_panels(M, N, out.data_ptr<float>(), scales.data_ptr<float>(), nullptr, 1,
+             [&](const Panel& panel, float* tiles, float* buffer) {
+    const int8_t* w = wp + panel.index * K * kPanel;
 #ifdef PAGEDSERVE_AVX2
-        done = K - K % 8;
-        dispatch<Int8Kernel>(static_cast<int>(mb), static_cast<int>(nb), xp + m0 * K, K, wp + n0 * K, K, done, prefetch, acc);
-#endif
-        for (int64_t m = 0; m < mb; ++m)
-          for (int64_t n = 0; n < nb; ++n) {
-            const float tail = int8_dot(xp + (m0 + m) * K, wp + (n0 + n) * K, done, K);
-            op[(m0 + m) * N + n0 + n] = sp[n0 + n] * ((done ? acc[m][n] : 0.f) + tail);
-          }
-      }
+    switch (M) {
+      case 1: return int8_direct<1, 4>(xp, K, w, panel, tiles);
+      case 2: return int8_direct<2, 2>(xp, K, w, panel, tiles);
+      case 3: return int8_direct<3, 1>(xp, K, w, panel, tiles);
+      case 4: return int8_direct<4, 1>(xp, K, w, panel, tiles);
     }
+    chunked_panel(xp, M, K, Int8Columns{w}, buffer, tiles);
+    scale_tiles(tiles, M, panel);
+#else
+    const float* s = panel.scales(0);
+    portable_panel(xp, M, K, [&](int64_t k, int64_t j) { return s[j] * static_cast<float>(w[k * kPanel + j]); }, tiles);
+#endif
   });
 }
 
 // out[m, n] = sum_k x[m, k] * (q[n, k] * scales[n, k / group] + zeros[n, k / group])
 void int4_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor scales, at::Tensor zeros,
                  int64_t group) {
-  check_common(x, weight, out);
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.size(1) * 2 == K, "weight: uint8 [N, K / 2]");
-  TORCH_CHECK(group % 32 == 0 && K % group == 0, "group must be a multiple of 32 dividing K");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && zeros.scalar_type() == at::kFloat &&
-                  scales.is_contiguous() && zeros.is_contiguous() && scales.numel() == N * (K / group) &&
-                  zeros.numel() == N * (K / group),
-              "scales, zeros: float32 [N, K / group]");
+  check_common(x, weight, out, kPanel / 2);
+  TORCH_CHECK(weight.scalar_type() == at::kByte, "weight: uint8");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  TORCH_CHECK(group > 0 && K % group == 0, "group must divide K");
   const int64_t groups = K / group;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && zeros.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  zeros.is_contiguous() && scales.numel() == N * groups && zeros.numel() == N * groups,
+              "scales, zeros: float32 [N, K / group]");
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = weight.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* zp = zeros.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  std::vector<float> xsum;  // each row's sum over each group of columns (int4_direct's zero terms)
+  if (M <= kDirectRows) {
+    xsum.assign(M * groups, 0.f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / group] += xp[m * K + k];
+  }
+  run_panels(M, N, out.data_ptr<float>(), scales.data_ptr<float>(), zeros.data_ptr<float>(), groups,
+             [&](const Panel& panel, float* tiles, float* buffer) {
+    const uint8_t* w = wp + panel.index * K * kPanel / 2;
 #ifdef PAGEDSERVE_AVX2
-  std::vector<float> xsum(M * groups, 0.f);  // each row's sum over each group of columns (the zero terms)
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / group] += xp[m * K + k];
-  std::vector<float> x_lanes(M * K);  // x in the kernel's column order (int4_lane_column)
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; k += 32)
-      for (int64_t step = 0; step < 4; ++step)
-        for (int64_t lane = 0; lane < 8; ++lane)
-          x_lanes[m * K + k + step * 8 + lane] = xp[m * K + k + int4_lane_column(step, lane)];
-#endif
-  const int64_t blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
-  const bool prefetch = M <= kMaxBatch;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    float acc[kMaxBatch][kRowsPerBlock];
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kRowsPerBlock, nb = std::min(kRowsPerBlock, N - n0);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxBatch) {
-        const int64_t mb = std::min(kMaxBatch, M - m0);
-#ifdef PAGEDSERVE_AVX2
-        dispatch<Int4Kernel>(static_cast<int>(mb), static_cast<int>(nb), x_lanes.data() + m0 * K, K, xsum.data() + m0 * groups,
-                             wp + n0 * (K / 2), sp + n0 * groups, zp + n0 * groups, K, group, prefetch, acc);
-#else
-        for (int64_t m = 0; m < mb; ++m)
-          for (int64_t n = 0; n < nb; ++n)
-            acc[m][n] = int4_dot(xp + (m0 + m) * K, wp + (n0 + n) * (K / 2), sp + (n0 + n) * groups,
-                                 zp + (n0 + n) * groups, K, group);
-#endif
-        for (int64_t m = 0; m < mb; ++m)
-          for (int64_t n = 0; n < nb; ++n) op[(m0 + m) * N + n0 + n] = acc[m][n];
-      }
+    switch (M) {
+      case 1: return int4_direct<1, 4>(xp, K, group, xsum.data(), w, panel, tiles);
+      case 2: return int4_direct<2, 2>(xp, K, group, xsum.data(), w, panel, tiles);
+      case 3: return int4_direct<3, 1>(xp, K, group, xsum.data(), w, panel, tiles);
+      case 4: return int4_direct<4, 1>(xp, K, group, xsum.data(), w, panel, tiles);
     }
+    chunked_panel(xp, M, K, Int4DequantizedColumns{Int4Columns{w}, panel, group}, buffer, tiles);
+#else
+    portable_panel(xp, M, K, [&](int64_t k, int64_t j) {
+      const uint8_t byte = w[k * kPanel / 2 + j % 8];
+      const int64_t g = k / group;
+      return static_cast<float>(j < 8 ? byte & 0x0F : byte >> 4) * panel.scales(g)[j] + panel.zeros(g)[j];
+    }, tiles);
+#endif
   });
 }
 

@@ -1,8 +1,8 @@
 """Online int8 / int4 for mixture-of-experts layers (`EngineConfig.quantization` on an MoE checkpoint): each
 expert's gate_up and down projections quantized by the linear layers' schemes (engine/models/layers/
 quantization/online.py: int8 per row, int4 per group of a row's inputs), then multiplied expert by expert
-through the same quantized kernels. A projection whose shape the int4 kernel cannot take (groups under 32
-inputs) is dequantized once to float32 instead, as a linear layer's would be.
+through the same quantized kernels (dequantized once to float32 instead where a linear layer's would be:
+no kernel for the device, or no compiler).
 
 Tensor parallelism slices each expert's intermediate dim: down's rows are split across ranks, so int8 takes
 each row's maximum over the group and int4's groups must not straddle two ranks, as for row-parallel linear
@@ -54,7 +54,7 @@ class OnlineQuantMoEMethod(FusedMoEMethod):
                         setattr(layer, f"{name}_{key}", value)
             setattr(layer, f"{name}_compute", compute)
             computes.append(compute)
-        layer.expert_compute = "+".join(dict.fromkeys(computes))  # e.g. "int8", "int4+dense"
+        layer.expert_compute = "+".join(dict.fromkeys(computes))  # e.g. "int8", "int4", "dense"
 
     def _quantize(self, layer: FusedMoE, weight: torch.Tensor, sliced: bool) -> list[QuantizedWeight]:
         """Every local expert's [N, K] projection in the scheme; `sliced`: K is this rank's part of each row."""

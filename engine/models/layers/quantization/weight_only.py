@@ -3,10 +3,10 @@
 and this module turns that form into compute, once, after loading:
 
 - int8, one group per row, zero point 128 (symmetric): the int8 kernel (kernels/cpu/quant_linear.py);
-- 4-bit, groups of a multiple of 32 input columns (after sorting act-order columns by group): the int4
-  kernel, with the integer zero point folded into a float one;
-- anything else (grouped 8-bit, groups under 32 columns, uneven act-order groups, a device without a
-  kernel, a CPU without a compiler): dequantized once to the compute dtype and run as a dense layer.
+- 4-bit, groups of equal length (after sorting act-order columns by group): the int4 kernel, with the
+  integer zero point folded into a float one;
+- anything else (grouped 8-bit, uneven act-order groups, a device without a kernel, a CPU without a
+  compiler): dequantized once to the compute dtype and run as a dense layer.
 The dequantized weights are always the oracle: W[n, k] = scales[g_idx[k], n] * (q[n, k] - zeros[g_idx[k], n])."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 
 from engine.models.layers.quantization.base import QuantMethod, set_weight_attrs
 from engine.models.layers.quantization.dense import DenseLinearMethod
-from kernels.cpu.quant_linear import INT4_BLOCK, int4_linear, int8_linear, pack_int4, quant_kernels_available
+from kernels.cpu.quant_linear import int4_linear, int8_linear, pack_int4, pack_int8, quant_kernels_available
 
 logger = logging.getLogger(__name__)
 _DENSE = DenseLinearMethod()  # what a dequantized layer computes with
@@ -104,7 +104,7 @@ def kernel_form(qw: QuantizedWeight, compute: str) -> dict[str, torch.Tensor | i
     takes for `qw`, by the names a layer holds them under: int8_weight and weight_scales; int4_weight,
     weight_scales, weight_zeros, input_perm (None for contiguous groups) and group_size."""
     if compute == "int8":
-        return {"int8_weight": (qw.q - 128).to(torch.int8).contiguous(), "weight_scales": qw.scales[0].float().contiguous()}
+        return {"int8_weight": pack_int8(qw.q - 128), "weight_scales": qw.scales[0].float().contiguous()}
     perm, group = int4_layout(qw)
     q, g_idx = (qw.q, qw.g_idx) if perm is None else (qw.q[:, perm], qw.g_idx[perm])
     runs = g_idx[::group]  # the group of each run of `group` columns
@@ -115,8 +115,8 @@ def kernel_form(qw: QuantizedWeight, compute: str) -> dict[str, torch.Tensor | i
 
 
 def int4_layout(qw: QuantizedWeight) -> tuple[torch.Tensor | None, int] | tuple[None, None]:
-    """(input permutation or None, group size) that make the groups contiguous runs of equal length, a
-    multiple of 32 columns; (None, None) when there are none (uneven or small groups)."""
+    """(input permutation or None, group size) that make the groups contiguous runs of equal length;
+    (None, None) when there are none (uneven act-order groups)."""
     k = qw.g_idx.numel()
     perm = None
     g_idx = qw.g_idx
@@ -126,7 +126,7 @@ def int4_layout(qw: QuantizedWeight) -> tuple[torch.Tensor | None, int] | tuple[
     starts = torch.nonzero(torch.diff(g_idx, prepend=g_idx[:1] - 1)).flatten()
     lengths = torch.diff(starts, append=torch.tensor([k]))
     group = int(lengths[0])
-    if bool((lengths != group).any()) or group % INT4_BLOCK or k % group:
+    if bool((lengths != group).any()) or k % group:
         return None, None
     return perm, group
 
