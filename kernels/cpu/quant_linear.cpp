@@ -1,8 +1,8 @@
 // Weight-only quantized linear layers for the CPU: y = x @ W.T with W stored as int8 (one scale per output
 // row) or int4 (a scale and a float zero per output row and group of input columns), x and y float32.
 //
-// Weights are widened to float32 in registers and never written back to memory in full; every product and
-// sum is a float32 one. torch's own weight-only ops (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) have
+// Weights are widened to float32 in registers (and at most 16 KiB of them at a time into an L1 buffer), never
+// in full; every product and sum is a float32 one. torch's own weight-only ops (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) have
 // fast paths for AVX-512 only: on our AVX2 machines they were 2x (batch 1) to 16x (batch 16) slower than the
 // dense float32 matmul they should beat.
 //
