@@ -46,7 +46,7 @@ def _make_run(tmp_path: Path) -> Iterator[subprocess.Popen]:
     log = tmp_path / "run.log"
     with open(log, "w") as out:  # a file, not a pipe: a full pipe would block the app's logging
         proc = subprocess.Popen([sys.executable, "-m", "serve_app.run", str(path)], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_foreground_signals)
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -63,6 +63,13 @@ def _make_run(tmp_path: Path) -> Iterator[subprocess.Popen]:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _foreground_signals() -> None:
+    """SIGINT handled as in a terminal's foreground job. A suite started in the background (`make test &` from
+    a script) ignores SIGINT, every child inherits that, and Python leaves an inherited SIG_IGN alone: the app
+    would never see the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _ctrl_c(proc: subprocess.Popen) -> None:
