@@ -1,9 +1,9 @@
 """CPU kernels compiled on first use (torch.utils.cpp_extension, into torch's extension cache), one
 build per CPU type; `make install` compiles them all ahead, side by side (`python -m kernels.cpu`).
 
-`load_cpu_kernels()` (paged attention), `load_quant_kernels()` (weight-only quantized linear layers) and
-`load_moe_kernels()` (mixture-of-experts layers) return a compiled module, or None when no compiler is
-available; callers then fall back to a pure-torch path. One module each: each rebuilds only when its own
+`load_cpu_kernels()` (paged attention), `load_linear_kernels()` (linear layers over float32, int8 and int4
+weight panels) and `load_moe_kernels()` (mixture-of-experts layers) return a compiled module, or None when no
+compiler is available; callers then fall back to a pure-torch path. One module each: each rebuilds only when its own
 sources change, and a model compiles only the kernels it runs."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "paged_attention.cpp"]
-_QUANT_SOURCES = [Path(__file__).parent / "quant_linear.cpp"]
+_LINEAR_SOURCES = [Path(__file__).parent / "panel_linear.cpp"]
 _MOE_SOURCES = [Path(__file__).parent / "fused_moe.cpp"]
 
 
@@ -36,8 +36,12 @@ def load_cpu_kernels():
 
 
 @functools.cache
-def load_quant_kernels():
-    return _load("pagedserve_quant_kernels", _QUANT_SOURCES, "CPU quantized linear kernels")
+def load_linear_kernels():
+    return _load("pagedserve_linear_kernels", _LINEAR_SOURCES, "CPU linear kernels")
+
+
+def linear_kernels_available() -> bool:
+    return load_linear_kernels() is not None
 
 
 @functools.cache

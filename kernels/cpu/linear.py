@@ -1,8 +1,9 @@
-"""Dense linear weights prepacked for oneDNN: the CPU path of the engine's dense linear method.
+"""The dense linear method's CPU path, and the 16-row weight panels that panel_linear.cpp computes with.
 
-On x86 CPUs torch's default fp32 matmul (MKL sgemm on a plain row-major weight) reached 170-220 GFLOPS
-on our 2-core AMD Zen 5 machines; oneDNN's matmul on a weight reordered once into its blocked layout
-reached ~470 at the batch sizes of a decode step, and bfloat16 ~850. Same math, same dtype: only the
+float32 weights are repacked once into panels (`to_panels`) and multiplied by panel_linear.cpp: on our
+2-core AVX2 machines it ran 1.1-1.4x oneDNN's prepacked matmul from 1 to 64 rows of x (decode batches) and
+1.2x at prefill sizes. bfloat16 weights (and float32 where no compiler built the kernels) are prepacked for
+oneDNN instead, whose bfloat16 path uses AVX-512/AMX where the CPU has them. Same math, same dtype: only the
 summation order differs."""
 
 from __future__ import annotations
@@ -13,12 +14,45 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import linear_kernels_available, load_linear_kernels
+
 logger = logging.getLogger(__name__)
+
+PANEL = 16  # output rows per panel
+# Rows of x per kernel call: every panel re-reads a chunk of all the call's rows of x, which at 512 rows
+# (512 KiB) still comes from L2 (2,048 rows in one call: 0.75x the speed).
+ROW_BLOCK = 512
+
+
+def to_panels(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 16), K, 16]: rows in panels of 16 (the last padded with zeros), each column-major."""
+    n, k = w.shape
+    return F.pad(w, (0, 0, 0, -n % PANEL)).view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def from_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of to_panels: [N, K]."""
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:n]
+
+
+def panel_matmul(kernel: str, x: torch.Tensor, n: int, bias: torch.Tensor | None, *weight) -> torch.Tensor:
+    """x [..., K] times a panel weight through panel_linear.cpp's `kernel` (its weight arguments `weight`),
+    n output features; float32 inside, x's dtype out."""
+    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+    out = torch.empty(x2.shape[0], n)
+    run = getattr(load_linear_kernels(), kernel)
+    for start in range(0, x2.shape[0], ROW_BLOCK):
+        run(out[start:start + ROW_BLOCK], x2[start:start + ROW_BLOCK], *weight)
+    out = out.to(x.dtype).view(*x.shape[:-1], n)
+    return out.add_(bias) if bias is not None else out
 
 
 def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor:
-    """`weight` [out, in] reordered into oneDNN's blocked layout for batches of about `batch_size_hint` rows."""
+    """`weight` [out, in] packed once for `packed_linear`: float32 panels (when `out` fills them: the panels
+    then say the output size), or oneDNN's blocked layout for batches of about `batch_size_hint` rows."""
     with torch.no_grad():
+        if weight.dtype == torch.float32 and weight.shape[0] % PANEL == 0 and linear_kernels_available():
+            return to_panels(weight.detach())
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
 
 
@@ -42,6 +76,8 @@ def bucket_rows(num_rows: int) -> int:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if packed.dim() == 3:  # float32 panels
+        return panel_matmul("float32_linear", x, packed.shape[0] * PANEL, bias, packed)
     rows = x.shape[0] if x.dim() == 2 else 0
     padded = bucket_rows(rows)
     if padded == rows:  # bucketed already, or not a 2-D batch of rows

@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import linear_kernels_available
 from kernels.cpu.quant_linear import (dequantize_int4, dequantize_int8, int4_linear, int8_linear, pack_int4,
-                                      pack_int8, quant_kernels_available, unpack_int4, unpack_int8)
+                                      pack_int8, unpack_int4, unpack_int8)
 
-pytestmark = pytest.mark.skipif(not quant_kernels_available(), reason="no compiler for the CPU kernels")
+pytestmark = pytest.mark.skipif(not linear_kernels_available(), reason="no compiler for the CPU kernels")
 
 ROWS = [1, 2, 3, 4, 5, 16, 70, 600]
 

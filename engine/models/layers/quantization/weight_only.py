@@ -20,7 +20,8 @@ from torch import nn
 
 from engine.models.layers.quantization.base import QuantMethod, set_weight_attrs
 from engine.models.layers.quantization.dense import DenseLinearMethod
-from kernels.cpu.quant_linear import int4_linear, int8_linear, pack_int4, pack_int8, quant_kernels_available
+from kernels.cpu import linear_kernels_available
+from kernels.cpu.quant_linear import int4_linear, int8_linear, pack_int4, pack_int8
 
 logger = logging.getLogger(__name__)
 _DENSE = DenseLinearMethod()  # what a dequantized layer computes with
@@ -143,7 +144,7 @@ def select_compute(qw: QuantizedWeight, device: torch.device, prefix: str) -> st
 
 
 def _kernels(prefix: str) -> bool:
-    if quant_kernels_available():
+    if linear_kernels_available():
         return True
     logger.warning("%s: no CPU quantized kernels (no compiler?): weights dequantized to the compute dtype", prefix)
     return False

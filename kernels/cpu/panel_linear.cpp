@@ -1,13 +1,17 @@
-// Weight-only quantized linear layers for the CPU: y = x @ W.T with W stored as int8 (one scale per output
-// row) or int4 (a scale and a float zero per output row and group of input columns), x and y float32.
+// Linear layers for the CPU over weights in panels of 16 output rows: y = x @ W.T, x and y float32, W stored as
+// float32 (the dense method's path), int8 (one scale per output row) or int4 (a scale and a float zero per
+// output row and group of input columns).
 //
-// Weights are widened to float32 in registers (and at most 16 KiB of them at a time into an L1 buffer), never
-// in full; every product and sum is a float32 one. torch's own weight-only ops (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) have
-// fast paths for AVX-512 only: on our AVX2 machines they were 2x (batch 1) to 16x (batch 16) slower than the
-// dense float32 matmul they should beat.
+// Quantized weights are widened to float32 in registers (and at most 16 KiB of them at a time into an L1
+// buffer), never in full; every product and sum is a float32 one. torch's own weight-only ops
+// (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) have fast paths for AVX-512 only: on our AVX2 machines
+// they were 2x (batch 1) to 16x (batch 16) slower than the dense float32 matmul they should beat. For float32
+// weights these same loops beat oneDNN's prepacked matmul by 1.1-1.4x from 1 to 64 rows of x (2-core AMD
+// EPYC, AVX2).
 //
 // Layout: output rows in panels of 16 (the last one padded with zero rows), each panel column-major, so
 // that one input column's 16 weights are adjacent:
+//   float32: float [P, K, 16]: W[16 p + j, k] = w[p, k, j].
 //   int8: int8 [P, K, 16]: W[16 p + j, k] = scales[16 p + j] * q[p, k, j].
 //   int4: uint8 [P, K, 8]: byte j of column k holds row 16 p + j in its low nibble and row 16 p + j + 8 in
 //         its high one; W[n, k] = q * scales[n, g] + zeros[n, g], g = k / group (scales, zeros [N, K / group]).
@@ -19,6 +23,7 @@
 //   - More rows (bound by arithmetic): the first 4 rows of x multiply a chunk of the panel as it is widened,
 //     which also writes the widened chunk to an L1 buffer; 6 x 16 float32 tiles then multiply it by every
 //     other row of x. The widening is paid once per call, not once per few rows, and overlaps the FMAs.
+//     A float32 chunk is its own buffer: it stays in L1 while every tile passes over it.
 // Work is split over panels.
 
 // Not torch/extension.h: paged_attention.cpp says why.
@@ -47,8 +52,9 @@ constexpr int64_t kDirectRows = 4;    // rows of x up to which weights are only 
 constexpr int64_t kTileRows = 6;      // rows of x per float32 tile: 12 accumulators + 2 weights + 1 broadcast
 constexpr int64_t kChunk = 256;       // input columns widened at a time: 16 KiB of float32, half of L1
 // Streaming a panel while doing little arithmetic per byte, the hardware prefetcher alone left these loops
-// reading DRAM at 8-15 GB/s; software prefetches this far ahead keep batch-1 decode at the bandwidth.
-constexpr int64_t kPrefetchBytes = 4096;
+// reading DRAM at 8-15 GB/s; software prefetches this far ahead keep batch-1 decode at the bandwidth
+// (float32 panels read 64 bytes a column: 4 KiB ahead was 10% slower than 8; int8 and int4 were level).
+constexpr int64_t kPrefetchBytes = 8192;
 
 // One panel: its rows' scales (and int4's zeros) gathered into 16-wide vectors per group, 0 for the padding
 // rows: params[g][0..15] scales, params[g][16..31] zeros.
@@ -77,7 +83,15 @@ inline void store_tiles(const float* tiles, int64_t M, const Panel& panel, float
 }
 
 #ifdef PAGEDSERVE_AVX2
-// A panel's column k as rows 0-7 and 8-15: int8 as integers; int4 as integers or dequantized.
+// A panel's column k as rows 0-7 and 8-15: float32; int8 as integers; int4 as integers or dequantized.
+struct Float32Columns {
+  const float* w;
+  void operator()(int64_t k, __m256& lo, __m256& hi) const {
+    lo = _mm256_loadu_ps(w + k * kPanel);
+    hi = _mm256_loadu_ps(w + k * kPanel + 8);
+  }
+};
+
 struct Int8Columns {
   const int8_t* w;
   void operator()(int64_t k, __m256& lo, __m256& hi) const {
@@ -229,7 +243,7 @@ void float_tile(const float* x, int64_t K, int64_t c, int64_t kc, const float* b
   Accumulators<MB, 1> acc;
   zero(acc);
   for (int64_t k = 0; k < kc; ++k) {
-    const __m256 lo = _mm256_load_ps(buffer + k * kPanel), hi = _mm256_load_ps(buffer + k * kPanel + 8);
+    const __m256 lo = _mm256_loadu_ps(buffer + k * kPanel), hi = _mm256_loadu_ps(buffer + k * kPanel + 8);
     PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) {
       const __m256 xb = _mm256_broadcast_ss(x + m * K + c + k);
       acc[0][m][0] = _mm256_fmadd_ps(xb, lo, acc[0][m][0]);
@@ -239,24 +253,48 @@ void float_tile(const float* x, int64_t K, int64_t c, int64_t kc, const float* b
   accumulate(acc, nullptr, tiles, c == 0);
 }
 
+// Rows [m, M) of x times columns [c, c + kc) of a panel, float32 in chunk [kc][16], into tiles [M][16].
+void float_tiles(const float* x, int64_t m, int64_t M, int64_t K, int64_t c, int64_t kc, const float* chunk,
+                 float* tiles) {
+  for (; m + kTileRows <= M; m += kTileRows) float_tile<kTileRows>(x + m * K, K, c, kc, chunk, tiles + m * kPanel);
+  const float* xm = x + m * K;
+  float* tm = tiles + m * kPanel;
+  switch (M - m) {
+    case 5: return float_tile<5>(xm, K, c, kc, chunk, tm);
+    case 4: return float_tile<4>(xm, K, c, kc, chunk, tm);
+    case 3: return float_tile<3>(xm, K, c, kc, chunk, tm);
+    case 2: return float_tile<2>(xm, K, c, kc, chunk, tm);
+    case 1: return float_tile<1>(xm, K, c, kc, chunk, tm);
+  }
+}
+
 // Every row of x (M > kDirectRows of them) times the panel `columns` widens, chunk by chunk, into tiles [M][16].
 template <typename Columns>
 void chunked_panel(const float* x, int64_t M, int64_t K, const Columns& columns, float* buffer, float* tiles) {
   for (int64_t c = 0; c < K; c += kChunk) {
     const int64_t kc = std::min(kChunk, K - c);
     widening_tile<kDirectRows>(x, K, c, kc, columns, buffer, tiles);
-    int64_t m = kDirectRows;
-    for (; m + kTileRows <= M; m += kTileRows) float_tile<kTileRows>(x + m * K, K, c, kc, buffer, tiles + m * kPanel);
-    const float* xm = x + m * K;
-    float* tm = tiles + m * kPanel;
-    switch (M - m) {
-      case 5: float_tile<5>(xm, K, c, kc, buffer, tm); break;
-      case 4: float_tile<4>(xm, K, c, kc, buffer, tm); break;
-      case 3: float_tile<3>(xm, K, c, kc, buffer, tm); break;
-      case 2: float_tile<2>(xm, K, c, kc, buffer, tm); break;
-      case 1: float_tile<1>(xm, K, c, kc, buffer, tm); break;
-    }
+    float_tiles(x, kDirectRows, M, K, c, kc, buffer, tiles);
   }
+}
+
+// MB (<= 4) rows of x times one float32 panel, or every row of x chunk by chunk.
+template <int MB, int SPLIT>
+void float32_direct(const float* x, int64_t K, const float* w, float* tiles) {
+  Accumulators<MB, SPLIT> acc;
+  zero(acc);
+  direct_columns<MB, SPLIT>(x, K, 0, K, Float32Columns{w}, reinterpret_cast<const char*>(w), kPanel * 4, acc);
+  accumulate(acc, nullptr, tiles, true);
+}
+
+void float32_panel(const float* x, int64_t M, int64_t K, const float* w, float* tiles) {
+  switch (M) {
+    case 1: return float32_direct<1, 4>(x, K, w, tiles);
+    case 2: return float32_direct<2, 2>(x, K, w, tiles);
+    case 3: return float32_direct<3, 1>(x, K, w, tiles);
+    case 4: return float32_direct<4, 1>(x, K, w, tiles);
+  }
+  for (int64_t c = 0; c < K; c += kChunk) float_tiles(x, 0, M, K, c, std::min(kChunk, K - c), w + c * kPanel, tiles);
 }
 
 // tiles [M][16] *= the panel's scales (int8, whose chunked tiles multiply the bare integers).
@@ -280,13 +318,13 @@ void portable_panel(const float* x, int64_t M, int64_t K, WeightAt weight_at, fl
     }
 }
 
-void check_common(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out, int64_t bytes_per_column) {
+void check_common(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out, int64_t values_per_column) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "x, out: float32");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == x.size(0), "x [M, K], out [M, N]");
   TORCH_CHECK(weight.dim() == 3 && weight.size(0) == (out.size(1) + kPanel - 1) / kPanel &&
-                  weight.size(1) == x.size(1) && weight.size(2) == bytes_per_column,
-              "weight: [ceil(N / 16), K, ", bytes_per_column, "]");
+                  weight.size(1) == x.size(1) && weight.size(2) == values_per_column,
+              "weight: [ceil(N / 16), K, ", values_per_column, "]");
 }
 
 // `compute(panel, tiles [M][16], buffer)` on every panel, in parallel; each panel's tiles are then stored.
@@ -305,6 +343,24 @@ void run_panels(int64_t M, int64_t N, float* out, const float* scales, const flo
 }
 
 }  // namespace
+
+// out[m, n] = sum_k x[m, k] * w[n, k]
+void float32_linear(at::Tensor out, at::Tensor x, at::Tensor weight) {
+  check_common(x, weight, out, kPanel);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "weight: float32");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const std::vector<float> ones(N, 1.f);
+  run_panels(M, N, out.data_ptr<float>(), ones.data(), nullptr, 1, [&](const Panel& panel, float* tiles, float*) {
+    const float* w = wp + panel.index * K * kPanel;
+#ifdef PAGEDSERVE_AVX2
+    float32_panel(xp, M, K, w, tiles);
+#else
+    portable_panel(xp, M, K, [&](int64_t k, int64_t j) { return w[k * kPanel + j]; }, tiles);
+#endif
+  });
+}
 
 // out[m, n] = scales[n] * sum_k x[m, k] * q[n, k]
 void int8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor scales) {
@@ -375,6 +431,7 @@ void int4_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor sca
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("float32_linear", &float32_linear, "Linear over float32 weight panels (CPU)");
   m.def("int8_linear", &int8_linear, "Weight-only int8 linear, per-row scales (CPU, float32)");
   m.def("int4_linear", &int4_linear, "Weight-only int4 linear, grouped scales and zeros (CPU, float32)");
 }
