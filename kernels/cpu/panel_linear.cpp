@@ -56,8 +56,8 @@ constexpr int64_t kChunk = 256;       // input columns widened at a time: 16 KiB
 // (float32 panels read 64 bytes a column: 4 KiB ahead was 10% slower than 8; int8 and int4 were level).
 constexpr int64_t kPrefetchBytes = 8192;
 
-// One panel: its rows' scales (and int4's zeros) gathered into 16-wide vectors per group, 0 for the padding
-// rows: params[g][0..15] scales, params[g][16..31] zeros.
+// One panel: its rows' scales (int8, int4) and zeros (int4) gathered into 16-wide vectors per group, 0 for the
+// padding rows: params[g][0..15] scales, params[g][16..31] zeros.
 struct Panel {
   int64_t index, rows;  // panel number, real rows in it (16 but in the last panel)
   const float* params;
@@ -67,7 +67,7 @@ struct Panel {
     storage.assign(groups * 2 * kPanel, 0.f);
     for (int64_t j = 0; j < rows; ++j)
       for (int64_t g = 0; g < groups; ++g) {
-        storage[g * 2 * kPanel + j] = scales[(index * kPanel + j) * groups + g];
+        if (scales) storage[g * 2 * kPanel + j] = scales[(index * kPanel + j) * groups + g];
         if (zeros) storage[g * 2 * kPanel + kPanel + j] = zeros[(index * kPanel + j) * groups + g];
       }
     params = storage.data();
@@ -351,8 +351,7 @@ void float32_linear(at::Tensor out, at::Tensor x, at::Tensor weight) {
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
-  const std::vector<float> ones(N, 1.f);
-  run_panels(M, N, out.data_ptr<float>(), ones.data(), nullptr, 1, [&](const Panel& panel, float* tiles, float*) {
+  run_panels(M, N, out.data_ptr<float>(), nullptr, nullptr, 1, [&](const Panel& panel, float* tiles, float*) {
     const float* w = wp + panel.index * K * kPanel;
 #ifdef PAGEDSERVE_AVX2
     float32_panel(xp, M, K, w, tiles);
