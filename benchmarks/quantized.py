@@ -114,15 +114,16 @@ def compute_rates(threads: int, n: int = 2048, k: int = 1536, group: int = 128) 
     """GMAC/s of one n x k linear layer per weight format and rows of x (weights cache-resident: arithmetic,
     not memory, is what this measures)."""
     from kernels.cpu.linear import pack_weight, packed_linear
-    from kernels.cpu.quant_linear import int4_linear, int8_linear, pack_int4, pack_int8
+    from kernels.cpu.quant_linear import int4_linear, int8_linear, pack_int4, pack_int4_params, pack_int8
 
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
     packed = pack_weight(torch.randn(n, k, generator=gen), 16)
     q8, s8 = pack_int8(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)), torch.rand(n, generator=gen) / 100
     q4, s4 = pack_int4(torch.randint(0, 16, (n, k), generator=gen)), torch.rand(n, k // group, generator=gen) / 100
+    p4 = pack_int4_params(s4, -8 * s4)
     calls = {"float32": lambda x: packed_linear(x, packed, None), "int8": lambda x: int8_linear(x, q8, s8, None),
-             "int4": lambda x: int4_linear(x, q4, s4, -8 * s4, group, None)}
+             "int4": lambda x: int4_linear(x, q4, p4, group, n, None)}
     rates = {}
     for name, rows in [("float32", 16), ("int8", 16), ("int4", 16), ("float32", 256)]:
         x = torch.randn(rows, k, generator=gen)

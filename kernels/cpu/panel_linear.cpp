@@ -56,22 +56,14 @@ constexpr int64_t kChunk = 256;       // input columns widened at a time: 16 KiB
 // (float32 panels read 64 bytes a column: 4 KiB ahead was 10% slower than 8; int8 and int4 were level).
 constexpr int64_t kPrefetchBytes = 8192;
 
-// One panel: its rows' scales (int8, int4) and zeros (int4) gathered into 16-wide vectors per group, 0 for the
-// padding rows: params[g][0..15] scales, params[g][16..31] zeros.
+// One panel: its rows' scales and zeros per group as 16-wide vectors, 0 for the padding rows: params[g][0..15]
+// scales, params[g][16..31] zeros. int4 weights carry them in this layout (packed once, with the weight); int8
+// scales are gathered per panel (16 floats).
 struct Panel {
   int64_t index, rows;  // panel number, real rows in it (16 but in the last panel)
   const float* params;
 
-  Panel(int64_t p, int64_t N, const float* scales, const float* zeros, int64_t groups, std::vector<float>& storage)
-      : index(p), rows(std::min(kPanel, N - p * kPanel)) {
-    storage.assign(groups * 2 * kPanel, 0.f);
-    for (int64_t j = 0; j < rows; ++j)
-      for (int64_t g = 0; g < groups; ++g) {
-        if (scales) storage[g * 2 * kPanel + j] = scales[(index * kPanel + j) * groups + g];
-        if (zeros) storage[g * 2 * kPanel + kPanel + j] = zeros[(index * kPanel + j) * groups + g];
-      }
-    params = storage.data();
-  }
+  Panel(int64_t p, int64_t N) : index(p), rows(std::min(kPanel, N - p * kPanel)), params(nullptr) {}
   const float* scales(int64_t g) const { return params + g * 2 * kPanel; }
   const float* zeros(int64_t g) const { return params + g * 2 * kPanel + kPanel; }
 };
@@ -327,15 +319,22 @@ void check_common(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
               "weight: [ceil(N / 16), K, ", values_per_column, "]");
 }
 
-// `compute(panel, tiles [M][16], buffer)` on every panel, in parallel; each panel's tiles are then stored.
+// `compute(panel, tiles [M][16], buffer)` on every panel, in parallel; each panel's tiles are then stored. A
+// panel's params: `packed_params` [P, groups, 32] when given, else `row_scales` [N] gathered (or none).
 template <typename Compute>
-void run_panels(int64_t M, int64_t N, float* out, const float* scales, const float* zeros, int64_t groups,
-                Compute compute) {
+void run_panels(int64_t M, int64_t N, float* out, const float* row_scales, const float* packed_params,
+                int64_t groups, Compute compute) {
   at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> tiles(M * kPanel), params;
+    std::vector<float> tiles(M * kPanel), gathered(2 * kPanel, 0.f);
     alignas(32) float buffer[kChunk * kPanel];
     for (int64_t p = begin; p < end; ++p) {
-      const Panel panel(p, N, scales, zeros, groups, params);
+      Panel panel(p, N);
+      if (packed_params) {
+        panel.params = packed_params + p * groups * 2 * kPanel;
+      } else {
+        for (int64_t j = 0; j < kPanel; ++j) gathered[j] = row_scales && j < panel.rows ? row_scales[p * kPanel + j] : 0.f;
+        panel.params = gathered.data();
+      }
       compute(panel, tiles.data(), buffer);
       store_tiles(tiles.data(), M, panel, out, N);
     }
@@ -389,26 +388,27 @@ void int8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor sca
   });
 }
 
-// out[m, n] = sum_k x[m, k] * (q[n, k] * scales[n, k / group] + zeros[n, k / group])
-void int4_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor scales, at::Tensor zeros,
-                 int64_t group) {
+// out[m, n] = sum_k x[m, k] * (q[n, k] * scales[n, k / group] + zeros[n, k / group]), scales and zeros as
+// params [P, K / group, 32] (Panel's layout).
+void int4_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor params, int64_t group) {
   check_common(x, weight, out, kPanel / 2);
   TORCH_CHECK(weight.scalar_type() == at::kByte, "weight: uint8");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   TORCH_CHECK(group > 0 && K % group == 0, "group must divide K");
   const int64_t groups = K / group;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && zeros.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  zeros.is_contiguous() && scales.numel() == N * groups && zeros.numel() == N * groups,
-              "scales, zeros: float32 [N, K / group]");
+  TORCH_CHECK(params.scalar_type() == at::kFloat && params.is_contiguous() &&
+                  params.numel() == weight.size(0) * groups * 2 * kPanel,
+              "params: float32 [ceil(N / 16), K / group, 32]");
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   std::vector<float> xsum;  // each row's sum over each group of columns (int4_direct's zero terms)
   if (M <= kDirectRows) {
     xsum.assign(M * groups, 0.f);
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / group] += xp[m * K + k];
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) xsum[m * groups + g] += xp[m * K + k];
   }
-  run_panels(M, N, out.data_ptr<float>(), scales.data_ptr<float>(), zeros.data_ptr<float>(), groups,
+  run_panels(M, N, out.data_ptr<float>(), nullptr, params.data_ptr<float>(), groups,
              [&](const Panel& panel, float* tiles, float* buffer) {
     const uint8_t* w = wp + panel.index * K * kPanel / 2;
 #ifdef PAGEDSERVE_AVX2

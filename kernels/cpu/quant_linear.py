@@ -23,6 +23,17 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return (panels[..., :PANEL // 2] | (panels[..., PANEL // 2:] << 4)).contiguous()
 
 
+def pack_int4_params(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """scales, zeros float32 [N, G] -> [ceil(N / 16), G, 32]: per panel and group, the 16 rows' scales then their
+    zeros (panel_linear.cpp reads them as they are, with no gathering per call)."""
+    return torch.cat([to_panels(scales.float()), to_panels(zeros.float())], dim=-1).contiguous()
+
+
+def unpack_int4_params(params: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of pack_int4_params: scales, zeros [N, G]."""
+    return from_panels(params[..., :PANEL], n), from_panels(params[..., PANEL:], n)
+
+
 def unpack_int8(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The inverse of pack_int8: int8 [N, K]."""
     return from_panels(packed, n)
@@ -38,9 +49,10 @@ def dequantize_int8(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return unpack_int8(weight, scales.numel()).float() * scales[:, None]
 
 
-def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
-    """float32 [N, K] from pack_int4's layout and scales, zeros [N, K / group]."""
-    q = unpack_int4(packed, scales.shape[0]).float()
+def dequantize_int4(packed: torch.Tensor, params: torch.Tensor, group: int, n: int) -> torch.Tensor:
+    """float32 [N, K] from pack_int4's and pack_int4_params' layouts."""
+    scales, zeros = unpack_int4_params(params, n)
+    q = unpack_int4(packed, n).float()
     n, k = q.shape
     return (q.view(n, k // group, group) * scales[..., None] + zeros[..., None]).view(n, k)
 
@@ -50,7 +62,8 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bia
     return panel_matmul("int8_linear", x, scales.numel(), bias, weight, scales)
 
 
-def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, params: torch.Tensor, group: int, n: int,
                 bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ W.T + bias with W[n, k] = q[n, k] * scales[n, k // group] + zeros[n, k // group]."""
-    return panel_matmul("int4_linear", x, scales.shape[0], bias, packed, scales, zeros, group)
+    """x [M, K] @ W.T + bias with W[n, k] = q[n, k] * scales[n, k // group] + zeros[n, k // group], n output
+    features; packed and params from pack_int4 and pack_int4_params."""
+    return panel_matmul("int4_linear", x, n, bias, packed, params, group)

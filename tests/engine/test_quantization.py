@@ -18,7 +18,7 @@ from engine.models.layers.quantization import resolve_quant_config
 from engine.models.layers.quantization.awq import unpack_awq
 from engine.models.layers.quantization.online import int4_group_size, quantize_int4, quantize_int8
 from engine.models.layers.quantization.weight_only import unpack_int32
-from kernels.cpu.quant_linear import dequantize_int4, dequantize_int8
+from kernels.cpu.quant_linear import dequantize_int4, dequantize_int8, unpack_int4_params
 from tests.engine.quantized_checkpoints import (
     awq_pack,
     gptq_pack_qweight,
@@ -162,8 +162,8 @@ def test_online_quantization_error_within_the_scheme_bound(hf_checkpoint):
                 assert torch.equal(step[:, 0], w.abs().amax(1) / 127)
             else:
                 g = module.group_size
-                got = dequantize_int4(module.int4_weight, module.weight_scales, module.weight_zeros, g)
-                step = module.weight_scales.repeat_interleave(g, 1)
+                got = dequantize_int4(module.int4_weight, module.int4_params, g, module.out_features)
+                step = unpack_int4_params(module.int4_params, module.out_features)[0].repeat_interleave(g, 1)
                 assert g == int4_group_size(w.shape[1])
             assert bool(((got - w).abs() <= step / 2 + 1e-6).all()), (scheme, fused)
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from kernels.cpu import linear_kernels_available
 from kernels.cpu.quant_linear import (dequantize_int4, dequantize_int8, int4_linear, int8_linear, pack_int4,
-                                      pack_int8, unpack_int4, unpack_int8)
+                                      pack_int4_params, pack_int8, unpack_int4, unpack_int4_params, unpack_int8)
 
 pytestmark = pytest.mark.skipif(not linear_kernels_available(), reason="no compiler for the CPU kernels")
 
@@ -40,7 +40,9 @@ def test_int4_linear_equals_its_dequantized_matmul(rows, n, k, group):
     scales = torch.rand(n, k // group, generator=gen) * 0.01 + 1e-3
     zeros = -8 * scales + torch.randn(n, k // group, generator=gen) * 1e-3
     x = torch.randn(rows, k, generator=gen)
+    params = pack_int4_params(scales, zeros)
+    assert params.shape == (-(-n // 16), k // group, 32)
+    assert all(torch.equal(a, b) for a, b in zip(unpack_int4_params(params, n), (scales, zeros)))
     dense = q.float() * scales.repeat_interleave(group, 1) + zeros.repeat_interleave(group, 1)
-    torch.testing.assert_close(dequantize_int4(packed, scales, zeros, group), dense)
-    torch.testing.assert_close(int4_linear(x, packed, scales, zeros, group, None), F.linear(x, dense),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dequantize_int4(packed, params, group, n), dense)
+    torch.testing.assert_close(int4_linear(x, packed, params, group, n, None), F.linear(x, dense), rtol=1e-4, atol=1e-4)

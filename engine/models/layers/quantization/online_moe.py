@@ -87,6 +87,6 @@ def _linear(layer: FusedMoE, name: str, expert: int, x: torch.Tensor) -> torch.T
     if compute == "int8":
         return int8_linear(x, get("int8_weight")[expert], get("weight_scales")[expert], None)
     if compute == "int4":
-        return int4_linear(x, get("int4_weight")[expert], get("weight_scales")[expert], get("weight_zeros")[expert],
-                           get("group_size"), None)
+        return int4_linear(x, get("int4_weight")[expert], get("int4_params")[expert], get("group_size"),
+                           get("out_features"), None)
     return F.linear(x, get("weight")[expert])

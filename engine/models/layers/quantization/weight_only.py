@@ -21,7 +21,7 @@ from torch import nn
 from engine.models.layers.quantization.base import QuantMethod, set_weight_attrs
 from engine.models.layers.quantization.dense import DenseLinearMethod
 from kernels.cpu import linear_kernels_available
-from kernels.cpu.quant_linear import int4_linear, int8_linear, pack_int4, pack_int8
+from kernels.cpu.quant_linear import int4_linear, int8_linear, pack_int4, pack_int4_params, pack_int8
 
 logger = logging.getLogger(__name__)
 _DENSE = DenseLinearMethod()  # what a dequantized layer computes with
@@ -96,23 +96,23 @@ class WeightOnlyMethod(QuantMethod):
         if layer.compute == "int4":
             if layer.input_perm is not None:
                 x = x.index_select(-1, layer.input_perm)
-            return int4_linear(x, layer.int4_weight, layer.weight_scales, layer.weight_zeros, layer.group_size, bias)
+            return int4_linear(x, layer.int4_weight, layer.int4_params, layer.group_size, layer.out_features, bias)
         return _DENSE.apply(layer, x, bias)
 
 
 def kernel_form(qw: QuantizedWeight, compute: str) -> dict[str, torch.Tensor | int | None]:
     """The tensors (and int4's group size) that the `compute` kernel ("int8" or "int4", from select_compute)
     takes for `qw`, by the names a layer holds them under: int8_weight and weight_scales; int4_weight,
-    weight_scales, weight_zeros, input_perm (None for contiguous groups) and group_size."""
+    int4_params (scales and zeros), input_perm (None for contiguous groups), group_size and out_features."""
     if compute == "int8":
         return {"int8_weight": pack_int8(qw.q - 128), "weight_scales": qw.scales[0].float().contiguous()}
     perm, group = int4_layout(qw)
     q, g_idx = (qw.q, qw.g_idx) if perm is None else (qw.q[:, perm], qw.g_idx[perm])
     runs = g_idx[::group]  # the group of each run of `group` columns
     scales = qw.scales[runs].T.float()
-    return {"int4_weight": pack_int4(q), "weight_scales": scales.contiguous(),
-            "weight_zeros": (-qw.zeros[runs].T * scales).contiguous(),  # q*s - z*s
-            "input_perm": perm, "group_size": group}
+    zeros = -qw.zeros[runs].T * scales  # q*s - z*s
+    return {"int4_weight": pack_int4(q), "int4_params": pack_int4_params(scales, zeros), "input_perm": perm,
+            "group_size": group, "out_features": q.shape[0]}
 
 
 def int4_layout(qw: QuantizedWeight) -> tuple[torch.Tensor | None, int] | tuple[None, None]:
