@@ -3,8 +3,8 @@ build per CPU type; `make install` compiles them all ahead, side by side (`pytho
 
 `load_cpu_kernels()` (paged attention), `load_linear_kernels()` (linear layers over float32, int8 and int4
 weight panels) and `load_moe_kernels()` (mixture-of-experts layers) return a compiled module, or None when no
-compiler is available; callers then fall back to a pure-torch path. One module each: each rebuilds only when its own
-sources change, and a model compiles only the kernels it runs."""
+compiler is available; callers then fall back to a pure-torch path. One module each: each rebuilds only when
+its own sources change, and a model compiles only the kernels it runs."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 def pack_int4_params(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     """scales, zeros float32 [N, G] -> [ceil(N / 16), G, 32]: per panel and group, the 16 rows' scales then their
     zeros (panel_linear.cpp reads them as they are, with no gathering per call)."""
-    return torch.cat([to_panels(scales.float()), to_panels(zeros.float())], dim=-1).contiguous()
+    return torch.cat([to_panels(scales.float()), to_panels(zeros.float())], dim=-1)
 
 
 def unpack_int4_params(params: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +58,7 @@ def dequantize_int4(packed: torch.Tensor, params: torch.Tensor, group: int, n: i
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ (scales[:, None] * weight).T + bias; weight int8 [N, K], scales float32 [N]."""
+    """x [M, K] @ (scales[:, None] * q).T + bias; weight: q int8 [N, K] packed by pack_int8, scales float32 [N]."""
     return panel_matmul("int8_linear", x, scales.numel(), bias, weight, scales)
 
 

@@ -101,7 +101,7 @@ class WeightOnlyMethod(QuantMethod):
 
 
 def kernel_form(qw: QuantizedWeight, compute: str) -> dict[str, torch.Tensor | int | None]:
-    """The tensors (and int4's group size) that the `compute` kernel ("int8" or "int4", from select_compute)
+    """The tensors (and int4's sizes) that the `compute` kernel ("int8" or "int4", from select_compute)
     takes for `qw`, by the names a layer holds them under: int8_weight and weight_scales; int4_weight,
     int4_params (scales and zeros), input_perm (None for contiguous groups), group_size and out_features."""
     if compute == "int8":
