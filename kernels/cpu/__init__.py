@@ -19,15 +19,18 @@ logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "paged_attention.cpp"]
 _LINEAR_SOURCES = [Path(__file__).parent / "panel_linear.cpp"]
 _MOE_SOURCES = [Path(__file__).parent / "fused_moe.cpp"]
+_HEADERS = [Path(__file__).parent / "work_sharing.h"]  # torch keys a build by its sources only
 
 
-def _cpu_signature() -> str:
-    # -march=native code must not run on another CPU: key the build folder by the CPU's flags.
+def _build_signature() -> str:
+    # -march=native code must not run on another CPU: key the build folder by the CPU's flags, and by the
+    # shared headers, whose changes torch's extension versioning would not see.
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
-    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+    headers = b"".join(h.read_bytes() for h in _HEADERS)
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode() + headers).hexdigest()[:10]
 
 
 @functools.cache
@@ -54,7 +57,7 @@ def _load(name: str, sources: list[Path], what: str):
         from torch.utils.cpp_extension import load
 
         return load(
-            name=f"{name}_{_cpu_signature()}",
+            name=f"{name}_{_build_signature()}",
             sources=[str(s) for s in sources],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],

@@ -7,7 +7,7 @@
 // packed into panels of 16 output rows stored input-major ([E, N / 16, K, 16]), so a panel is one
 // contiguous stream and every weight load feeds up to 6 rows' FMAs.
 //
-// Steps (each one parallel_for): (1) per (expert, gate panel) the gate and up panels for the expert's rows,
+// Steps (each one parallel loop, work_sharing.h): (1) per (expert, gate panel) the gate and up panels for the expert's rows,
 // silu(gate) * up into act [pairs, I]; (2) per (expert, down panel) act @ W2.T into y [pairs, H];
 // (3) per token the sum over its k experts of weight * y, in the router's slot order. Every product and
 // sum is float32; only the order of the sums within a dot product differs from a matmul's.
@@ -21,6 +21,8 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#include "work_sharing.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -138,8 +140,8 @@ void moe_experts(at::Tensor out, at::Tensor x, at::Tensor ids, at::Tensor weight
     }
   }
   std::vector<float> act(pairs * I), y(pairs * H);
-  // Panel-major order: parallel_for hands each thread a contiguous range of items, and this way each range
-  // holds an equal share of every expert's panels, so threads get equal work however the tokens routed.
+  // Panel-major order: threads take contiguous chunks of items, and this way each chunk holds a share of
+  // every expert's panels, so chunks cost about the same however the tokens routed.
   std::vector<WorkItem> up_items, down_items;
   for (int64_t p = 0; p < std::max(I, H) / kPanel; ++p)
     for (int64_t e = 0; e < E; ++e) {
@@ -149,7 +151,8 @@ void moe_experts(at::Tensor out, at::Tensor x, at::Tensor ids, at::Tensor weight
     }
 
   // (1) act[p, panel] = silu(x W_gate.T) * (x W_up.T)
-  at::parallel_for(0, static_cast<int64_t>(up_items.size()), 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_up_items = static_cast<int64_t>(up_items.size());
+  pagedserve::shared_for(num_up_items, pagedserve::chunk_for(num_up_items), [&](int64_t begin, int64_t end) {
     float gate[kMaxRows][kPanel], up[kMaxRows][kPanel];
     const float* rows[kMaxRows];
     for (int64_t it = begin; it < end; ++it) {
@@ -168,7 +171,8 @@ void moe_experts(at::Tensor out, at::Tensor x, at::Tensor ids, at::Tensor weight
     }
   });
   // (2) y[p, panel] = act[p] W_down.T
-  at::parallel_for(0, static_cast<int64_t>(down_items.size()), 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_down_items = static_cast<int64_t>(down_items.size());
+  pagedserve::shared_for(num_down_items, pagedserve::chunk_for(num_down_items), [&](int64_t begin, int64_t end) {
     float acc[kMaxRows][kPanel];
     const float* rows[kMaxRows];
     for (int64_t it = begin; it < end; ++it) {

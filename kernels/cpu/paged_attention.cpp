@@ -13,7 +13,6 @@
 // use. Still a pybind11 module rather than TORCH_LIBRARY ops: a torch.ops call went through the dispatcher,
 // 2-4 us more per call, which a decode step pays once per layer and linear.
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -23,6 +22,8 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include "work_sharing.h"
 
 namespace {
 
@@ -54,7 +55,7 @@ void decode(const scalar_t* q, const scalar_t* cache, const int32_t* block_table
   const int64_t group = num_heads / num_kv_heads, H = num_heads;
   const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
   const int64_t half = block_size * num_kv_heads * D;  // elements of a block's K (or V)
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+  pagedserve::shared_for(num_seqs, pagedserve::chunk_for(num_seqs), [&](int64_t begin, int64_t end) {
     std::vector<float> query(H * D), acc(H * D), scores(H * block_size), row_max(H), row_sum(H);
     for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t len = seq_lens[seq];

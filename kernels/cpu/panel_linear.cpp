@@ -24,10 +24,9 @@
 //     which also writes the widened chunk to an L1 buffer; 6 x 16 float32 tiles then multiply it by every
 //     other row of x. The widening is paid once per call, not once per few rows, and overlaps the FMAs.
 //     A float32 chunk is its own buffer: it stays in L1 while every tile passes over it.
-// Work is split over panels.
+// Work is shared out over panels in chunks (work_sharing.h).
 
 // Not torch/extension.h: paged_attention.cpp says why.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -35,6 +34,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "work_sharing.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -324,7 +325,8 @@ void check_common(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 template <typename Compute>
 void run_panels(int64_t M, int64_t N, float* out, const float* row_scales, const float* packed_params,
                 int64_t groups, Compute compute) {
-  at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  pagedserve::shared_for(panels, pagedserve::chunk_for(panels), [&](int64_t begin, int64_t end) {
     std::vector<float> tiles(M * kPanel), gathered(2 * kPanel, 0.f);
     alignas(32) float buffer[kChunk * kPanel];
     for (int64_t p = begin; p < end; ++p) {
