@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
 from pathlib import Path
 
@@ -19,18 +20,20 @@ logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "paged_attention.cpp"]
 _LINEAR_SOURCES = [Path(__file__).parent / "panel_linear.cpp"]
 _MOE_SOURCES = [Path(__file__).parent / "fused_moe.cpp"]
-_HEADERS = [Path(__file__).parent / "work_sharing.h"]  # torch keys a build by its sources only
+_HEADERS = [Path(__file__).parent / h for h in ("work_sharing.h", "vec16.h")]  # torch keys a build by its sources only
+# Extra compiler flags, e.g. "-mno-avx512f" to build (and test) the AVX2 paths on an AVX-512 machine.
+_EXTRA_CFLAGS = os.environ.get("PAGEDSERVE_CPU_CFLAGS", "").split()
 
 
 def _build_signature() -> str:
-    # -march=native code must not run on another CPU: key the build folder by the CPU's flags, and by the
-    # shared headers, whose changes torch's extension versioning would not see.
+    # -march=native code must not run on another CPU: key the build folder by the CPU's flags, by the extra
+    # compiler flags, and by the shared headers, whose changes torch's extension versioning would not see.
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
     headers = b"".join(h.read_bytes() for h in _HEADERS)
-    return hashlib.sha256(f"{platform.machine()} {flags}".encode() + headers).hexdigest()[:10]
+    return hashlib.sha256(f"{platform.machine()} {flags} {_EXTRA_CFLAGS}".encode() + headers).hexdigest()[:10]
 
 
 @functools.cache
@@ -59,7 +62,7 @@ def _load(name: str, sources: list[Path], what: str):
         return load(
             name=f"{name}_{_build_signature()}",
             sources=[str(s) for s in sources],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", *_EXTRA_CFLAGS],
             extra_ldflags=["-fopenmp"],
         )
     except Exception as e:  # no compiler, no ninja, no headers: slower but correct

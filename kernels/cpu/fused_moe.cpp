@@ -5,7 +5,7 @@
 // gather, scatter, combine: a dozen small ops per layer) as on the expert weights it reads, and torch's
 // grouped matmul multiplies one or two rows by a weight with strided loads. Here each expert's weights are
 // packed into panels of 16 output rows stored input-major ([E, N / 16, K, 16]), so a panel is one
-// contiguous stream and every weight load feeds up to 6 rows' FMAs.
+// contiguous stream and every weight load feeds up to kMaxRows rows' FMAs (12 with AVX-512, 6 with AVX2).
 //
 // Steps (each one parallel loop, work_sharing.h): (1) per (expert, gate panel) the gate and up panels for the expert's rows,
 // silu(gate) * up into act [pairs, I]; (2) per (expert, down panel) act @ W2.T into y [pairs, H];
@@ -20,19 +20,20 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
+#include "vec16.h"
 #include "work_sharing.h"
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PAGEDSERVE_AVX2 1
-#endif
 
 namespace {
 
 constexpr int64_t kPanel = 16;   // output rows per packed panel
-constexpr int64_t kMaxRows = 6;  // rows of x one microkernel call covers (6 x 2 accumulators)
+#ifdef PAGEDSERVE_VEC16
+constexpr int64_t kMaxRows = pagedserve::kVec16TileRows;  // rows of x one microkernel call covers
+#else
+constexpr int64_t kMaxRows = 6;
+#endif
 // How far ahead of its loads a panel is prefetched (the hardware prefetcher alone leaves DRAM streams of
 // compute-heavy loops well under the bandwidth; kernels/cpu/quant_linear.cpp measured it).
 constexpr int64_t kPrefetchFloats = 1024;
@@ -42,22 +43,16 @@ constexpr int64_t kPrefetchFloats = 1024;
 // arithmetic and the prefetches halved its speed.
 template <int MB, bool PF>
 inline void panel_kernel(const float* const* rows, const float* panel, int64_t K, float out[kMaxRows][kPanel]) {
-#ifdef PAGEDSERVE_AVX2
-  __m256 acc[MB][2];
-  for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+#ifdef PAGEDSERVE_VEC16
+  using pagedserve::Vec16;
+  Vec16 acc[MB];
+  PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) acc[m] = Vec16::zero();
   for (int64_t k = 0; k < K; ++k) {
     if (PF) _mm_prefetch(reinterpret_cast<const char*>(panel + k * kPanel + kPrefetchFloats), _MM_HINT_T0);  // a line per k
-    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
-    for (int m = 0; m < MB; ++m) {
-      const __m256 xv = _mm256_broadcast_ss(rows[m] + k);
-      acc[m][0] = _mm256_fmadd_ps(xv, w0, acc[m][0]);
-      acc[m][1] = _mm256_fmadd_ps(xv, w1, acc[m][1]);
-    }
+    const Vec16 column = Vec16::load(panel + k * kPanel);
+    PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) acc[m] = fmadd(Vec16::broadcast(rows[m] + k), column, acc[m]);
   }
-  for (int m = 0; m < MB; ++m) {
-    _mm256_storeu_ps(out[m], acc[m][0]);
-    _mm256_storeu_ps(out[m] + 8, acc[m][1]);
-  }
+  PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) acc[m].store(out[m]);
 #else
   for (int m = 0; m < MB; ++m) {
     for (int r = 0; r < kPanel; ++r) out[m][r] = 0.f;
@@ -67,21 +62,16 @@ inline void panel_kernel(const float* const* rows, const float* panel, int64_t K
 #endif
 }
 
-template <bool PF>
-inline void panel_rows(int mb, const float* const* rows, const float* panel, int64_t K, float out[kMaxRows][kPanel]) {
-  switch (mb) {
-    case 6: return panel_kernel<6, PF>(rows, panel, K, out);
-    case 5: return panel_kernel<5, PF>(rows, panel, K, out);
-    case 4: return panel_kernel<4, PF>(rows, panel, K, out);
-    case 3: return panel_kernel<3, PF>(rows, panel, K, out);
-    case 2: return panel_kernel<2, PF>(rows, panel, K, out);
-    default: return panel_kernel<1, PF>(rows, panel, K, out);
-  }
+template <bool PF, int... Rows>
+inline void panel_rows(int mb, const float* const* rows, const float* panel, int64_t K, float out[kMaxRows][kPanel],
+                       std::integer_sequence<int, Rows...>) {
+  ((mb == Rows + 1 ? panel_kernel<Rows + 1, PF>(rows, panel, K, out) : void()), ...);
 }
 
 inline void panel_rows(int mb, bool prefetch, const float* const* rows, const float* panel, int64_t K,
                        float out[kMaxRows][kPanel]) {
-  prefetch ? panel_rows<true>(mb, rows, panel, K, out) : panel_rows<false>(mb, rows, panel, K, out);
+  const auto all_sizes = std::make_integer_sequence<int, kMaxRows>{};
+  prefetch ? panel_rows<true>(mb, rows, panel, K, out, all_sizes) : panel_rows<false>(mb, rows, panel, K, out, all_sizes);
 }
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }

@@ -4,10 +4,11 @@
 //
 // Quantized weights are widened to float32 in registers (and at most 16 KiB of them at a time into an L1
 // buffer), never in full; every product and sum is a float32 one. torch's own weight-only ops
-// (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) have fast paths for AVX-512 only: on our AVX2 machines
-// they were 2x (batch 1) to 16x (batch 16) slower than the dense float32 matmul they should beat. For float32
-// weights these same loops beat oneDNN's prepacked matmul by 1.1-1.4x from 1 to 64 rows of x (2-core AMD
-// EPYC, AVX2).
+// (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) were 2x (batch 1) to 16x (batch 16) slower than the
+// dense float32 matmul they should beat on our AVX2 machines, and _weight_int8pack_mm ran at 2.5 GMAC/s on an
+// AVX-512 one (these loops: 40-190). For float32 weights these same loops beat oneDNN's prepacked matmul by
+// 1.1-1.4x from 1 to 64 rows of x (2-core AMD EPYC, AVX2). Vectors are vec16.h's: one AVX-512 register or
+// two AVX2 ones per panel column (AVX-512 did 1.4-1.6x the multiply-adds per second at 16-256 rows).
 //
 // Layout: output rows in panels of 16 (the last one padded with zero rows), each panel column-major, so
 // that one input column's 16 weights are adjacent:
@@ -21,8 +22,9 @@
 //   - A few rows of x (decode at small batches, bound by the bytes of weights read): the panel's weights are
 //     widened in registers as they stream past.
 //   - More rows (bound by arithmetic): the first 4 rows of x multiply a chunk of the panel as it is widened,
-//     which also writes the widened chunk to an L1 buffer; 6 x 16 float32 tiles then multiply it by every
-//     other row of x. The widening is paid once per call, not once per few rows, and overlaps the FMAs.
+//     which also writes the widened chunk to an L1 buffer; float32 tiles of 12 x 16 (AVX2: 6 x 16) then
+//     multiply it by every other row of x. The widening is paid once per call, not once per few rows, and
+//     overlaps the FMAs.
 //     A float32 chunk is its own buffer: it stays in L1 while every tile passes over it.
 // Work is shared out over panels in chunks (work_sharing.h).
 
@@ -33,24 +35,20 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
+#include "vec16.h"
 #include "work_sharing.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PAGEDSERVE_AVX2 1
-#endif
-
-// GCC keeps arrays of vector accumulators in registers only when the loops over them are unrolled in full;
-// otherwise it stores every accumulator to the stack after each FMA (half the speed).
-#define PAGEDSERVE_UNROLL _Pragma("GCC unroll 16")
 
 namespace {
 
 constexpr int64_t kPanel = 16;        // output rows per panel
 constexpr int64_t kDirectRows = 4;    // rows of x up to which weights are only widened in registers
-constexpr int64_t kTileRows = 6;      // rows of x per float32 tile: 12 accumulators + 2 weights + 1 broadcast
+#ifdef PAGEDSERVE_VEC16
+constexpr int64_t kTileRows = pagedserve::kVec16TileRows;  // rows of x per float32 tile
+#endif
 constexpr int64_t kChunk = 256;       // input columns widened at a time: 16 KiB of float32, half of L1
 // Streaming a panel while doing little arithmetic per byte, the hardware prefetcher alone left these loops
 // reading DRAM at 8-15 GB/s; software prefetches this far ahead keep batch-1 decode at the bandwidth
@@ -75,81 +73,72 @@ inline void store_tiles(const float* tiles, int64_t M, const Panel& panel, float
     std::memcpy(out + m * N + panel.index * kPanel, tiles + m * kPanel, panel.rows * sizeof(float));
 }
 
-#ifdef PAGEDSERVE_AVX2
-// A panel's column k as rows 0-7 and 8-15: float32; int8 as integers; int4 as integers or dequantized.
+#ifdef PAGEDSERVE_VEC16
+using pagedserve::Vec16;
+
+// Software prefetch kPrefetchBytes ahead of a panel's column k (columns `column_bytes` apart), once per cache
+// line when called for every `step`-th column.
+inline void prefetch_ahead(const void* panel, int64_t k, int64_t column_bytes, int64_t step = 1) {
+  if ((k * column_bytes) % 64 < step * column_bytes)
+    _mm_prefetch(static_cast<const char*>(panel) + k * column_bytes + kPrefetchBytes, _MM_HINT_T0);
+}
+
+// A panel's column k as 16 float32 lanes: float32; int8 as integers; int4 as integers or dequantized.
+// `prefetch(k)`: prefetch_ahead over the panel's bytes.
 struct Float32Columns {
   const float* w;
-  void operator()(int64_t k, __m256& lo, __m256& hi) const {
-    lo = _mm256_loadu_ps(w + k * kPanel);
-    hi = _mm256_loadu_ps(w + k * kPanel + 8);
-  }
+  Vec16 operator()(int64_t k) const { return Vec16::load(w + k * kPanel); }
+  void prefetch(int64_t k, int64_t step = 1) const { prefetch_ahead(w, k, kPanel * 4, step); }
 };
 
 struct Int8Columns {
   const int8_t* w;
-  void operator()(int64_t k, __m256& lo, __m256& hi) const {
-    const int8_t* column = w + k * kPanel;
-    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column))));
-    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column + 8))));
-  }
+  Vec16 operator()(int64_t k) const { return Vec16::from_int8(w + k * kPanel); }
+  void prefetch(int64_t k, int64_t step = 1) const { prefetch_ahead(w, k, kPanel, step); }
 };
 
 struct Int4Columns {
   const uint8_t* w;
-  void operator()(int64_t k, __m256& lo, __m256& hi) const {
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k * kPanel / 2)));
-    lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
-    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-  }
+  Vec16 operator()(int64_t k) const { return Vec16::from_nibbles(w + k * kPanel / 2); }
+  void prefetch(int64_t k, int64_t step = 1) const { prefetch_ahead(w, k, kPanel / 2, step); }
 };
 
 struct Int4DequantizedColumns {
   Int4Columns integers;
   const Panel& panel;
   int64_t group;
-  void operator()(int64_t k, __m256& lo, __m256& hi) const {
-    integers(k, lo, hi);
-    const float *s = panel.scales(k / group), *z = panel.zeros(k / group);
-    lo = _mm256_fmadd_ps(lo, _mm256_loadu_ps(s), _mm256_loadu_ps(z));
-    hi = _mm256_fmadd_ps(hi, _mm256_loadu_ps(s + 8), _mm256_loadu_ps(z + 8));
+  Vec16 operator()(int64_t k) const {
+    return fmadd(integers(k), Vec16::load(panel.scales(k / group)), Vec16::load(panel.zeros(k / group)));
   }
+  void prefetch(int64_t k) const { integers.prefetch(k); }
 };
 
 template <int MB, int SPLIT>
-using Accumulators = __m256[SPLIT][MB][2];
+using Accumulators = Vec16[SPLIT][MB];
 
 template <int MB, int SPLIT>
 inline void zero(Accumulators<MB, SPLIT>& acc) {
   PAGEDSERVE_UNROLL for (int s = 0; s < SPLIT; ++s)
-    PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) acc[s][m][0] = acc[s][m][1] = _mm256_setzero_ps();
+    PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) acc[s][m] = Vec16::zero();
 }
 
 // acc[s][m] += x[m, k + s] * column k + s of the panel for columns [begin, end), widened by `columns`. SPLIT
 // independent sums per accumulator for few rows of x, where one would chain a dependent FMA per column.
 template <int MB, int SPLIT, typename Columns>
 inline void direct_columns(const float* x, int64_t K, int64_t begin, int64_t end, const Columns& columns,
-                           const char* w, int64_t column_bytes, Accumulators<MB, SPLIT>& acc) {
+                           Accumulators<MB, SPLIT>& acc) {
   int64_t k = begin;
   for (; k + SPLIT <= end; k += SPLIT) {
-    if ((k * column_bytes) % 64 < SPLIT * column_bytes) _mm_prefetch(w + k * column_bytes + kPrefetchBytes, _MM_HINT_T0);
+    columns.prefetch(k, SPLIT);
     PAGEDSERVE_UNROLL for (int s = 0; s < SPLIT; ++s) {
-      __m256 lo, hi;
-      columns(k + s, lo, hi);
-      PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) {
-        const __m256 xb = _mm256_broadcast_ss(x + m * K + k + s);
-        acc[s][m][0] = _mm256_fmadd_ps(xb, lo, acc[s][m][0]);
-        acc[s][m][1] = _mm256_fmadd_ps(xb, hi, acc[s][m][1]);
-      }
+      const Vec16 column = columns(k + s);
+      PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m)
+        acc[s][m] = fmadd(Vec16::broadcast(x + m * K + k + s), column, acc[s][m]);
     }
   }
   for (; k < end; ++k) {
-    __m256 lo, hi;
-    columns(k, lo, hi);
-    PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(x + m * K + k);
-      acc[0][m][0] = _mm256_fmadd_ps(xb, lo, acc[0][m][0]);
-      acc[0][m][1] = _mm256_fmadd_ps(xb, hi, acc[0][m][1]);
-    }
+    const Vec16 column = columns(k);
+    PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) acc[0][m] = fmadd(Vec16::broadcast(x + m * K + k), column, acc[0][m]);
   }
 }
 
@@ -157,22 +146,12 @@ inline void direct_columns(const float* x, int64_t K, int64_t begin, int64_t end
 template <int MB, int SPLIT>
 inline void accumulate(const Accumulators<MB, SPLIT>& acc, const float* scales, float* tiles, bool first) {
   PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) {
-    __m256 lo = acc[0][m][0], hi = acc[0][m][1];
-    PAGEDSERVE_UNROLL for (int s = 1; s < SPLIT; ++s) {
-      lo = _mm256_add_ps(lo, acc[s][m][0]);
-      hi = _mm256_add_ps(hi, acc[s][m][1]);
-    }
+    Vec16 sum = acc[0][m];
+    PAGEDSERVE_UNROLL for (int s = 1; s < SPLIT; ++s) sum = sum + acc[s][m];
     float* t = tiles + m * kPanel;
-    if (scales) {
-      lo = _mm256_mul_ps(lo, _mm256_loadu_ps(scales));
-      hi = _mm256_mul_ps(hi, _mm256_loadu_ps(scales + 8));
-    }
-    if (!first) {
-      lo = _mm256_add_ps(lo, _mm256_loadu_ps(t));
-      hi = _mm256_add_ps(hi, _mm256_loadu_ps(t + 8));
-    }
-    _mm256_storeu_ps(t, lo);
-    _mm256_storeu_ps(t + 8, hi);
+    if (scales) sum = sum * Vec16::load(scales);
+    if (!first) sum = sum + Vec16::load(t);
+    sum.store(t);
   }
 }
 
@@ -181,7 +160,7 @@ template <int MB, int SPLIT>
 void int8_direct(const float* x, int64_t K, const int8_t* w, const Panel& panel, float* tiles) {
   Accumulators<MB, SPLIT> acc;
   zero(acc);
-  direct_columns<MB, SPLIT>(x, K, 0, K, Int8Columns{w}, reinterpret_cast<const char*>(w), kPanel, acc);
+  direct_columns<MB, SPLIT>(x, K, 0, K, Int8Columns{w}, acc);
   accumulate(acc, panel.scales(0), tiles, true);
 }
 
@@ -196,15 +175,12 @@ void int4_direct(const float* x, int64_t K, int64_t group, const float* xsum, co
   for (int64_t g = 0; g < groups; ++g) {
     Accumulators<MB, SPLIT> acc;
     zero(acc);
-    direct_columns<MB, SPLIT>(x, K, g * group, (g + 1) * group, Int4Columns{w}, reinterpret_cast<const char*>(w),
-                              kPanel / 2, acc);
+    direct_columns<MB, SPLIT>(x, K, g * group, (g + 1) * group, Int4Columns{w}, acc);
     accumulate(acc, panel.scales(g), tiles, g == 0);
-    const __m256 z0 = _mm256_loadu_ps(panel.zeros(g)), z1 = _mm256_loadu_ps(panel.zeros(g) + 8);
+    const Vec16 zeros = Vec16::load(panel.zeros(g));
     for (int m = 0; m < MB; ++m) {
-      const __m256 xs = _mm256_broadcast_ss(xsum + m * groups + g);
       float* t = tiles + m * kPanel;
-      _mm256_storeu_ps(t, _mm256_fmadd_ps(z0, xs, _mm256_loadu_ps(t)));
-      _mm256_storeu_ps(t + 8, _mm256_fmadd_ps(z1, xs, _mm256_loadu_ps(t + 8)));
+      fmadd(zeros, Vec16::broadcast(xsum + m * groups + g), Vec16::load(t)).store(t);
     }
   }
 }
@@ -217,48 +193,46 @@ void widening_tile(const float* x, int64_t K, int64_t c, int64_t kc, const Colum
   Accumulators<MB, 1> acc;
   zero(acc);
   for (int64_t k = 0; k < kc; ++k) {
-    __m256 lo, hi;
-    columns(c + k, lo, hi);
-    _mm256_store_ps(buffer + k * kPanel, lo);
-    _mm256_store_ps(buffer + k * kPanel + 8, hi);
-    PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(x + m * K + c + k);
-      acc[0][m][0] = _mm256_fmadd_ps(xb, lo, acc[0][m][0]);
-      acc[0][m][1] = _mm256_fmadd_ps(xb, hi, acc[0][m][1]);
-    }
+    columns.prefetch(c + k);
+    const Vec16 column = columns(c + k);
+    column.store(buffer + k * kPanel);
+    PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m)
+      acc[0][m] = fmadd(Vec16::broadcast(x + m * K + c + k), column, acc[0][m]);
   }
   accumulate(acc, nullptr, tiles, c == 0);
 }
 
-// tiles[MB][16] (+)= MB rows of x (K apart) times buffer [kc][16], the widened columns [c, c + kc).
+// tiles[MB][16] (+)= MB rows of x (K apart) times buffer [kc][16], the widened columns [c, c + kc). `stream`:
+// the buffer is a float32 panel read from memory for the first time, prefetched ahead.
 template <int MB>
-void float_tile(const float* x, int64_t K, int64_t c, int64_t kc, const float* buffer, float* tiles) {
+void float_tile(const float* x, int64_t K, int64_t c, int64_t kc, const float* buffer, float* tiles, bool stream) {
   Accumulators<MB, 1> acc;
   zero(acc);
   for (int64_t k = 0; k < kc; ++k) {
-    const __m256 lo = _mm256_loadu_ps(buffer + k * kPanel), hi = _mm256_loadu_ps(buffer + k * kPanel + 8);
-    PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(x + m * K + c + k);
-      acc[0][m][0] = _mm256_fmadd_ps(xb, lo, acc[0][m][0]);
-      acc[0][m][1] = _mm256_fmadd_ps(xb, hi, acc[0][m][1]);
-    }
+    if (stream) Float32Columns{buffer}.prefetch(k);
+    const Vec16 column = Vec16::load(buffer + k * kPanel);
+    PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m)
+      acc[0][m] = fmadd(Vec16::broadcast(x + m * K + c + k), column, acc[0][m]);
   }
   accumulate(acc, nullptr, tiles, c == 0);
 }
 
-// Rows [m, M) of x times columns [c, c + kc) of a panel, float32 in chunk [kc][16], into tiles [M][16].
+// Rows [m, M) of x times columns [c, c + kc) of a panel, float32 in chunk [kc][16], into tiles [M][16]. `stream`:
+// the chunk is read from memory (a float32 panel, not an L1 buffer): the first tile prefetches ahead. Without
+// it a 600M model's float32 panels streamed at ~13 GB/s at batch 16, against ~46 at batch 1.
+template <int... Rows>
 void float_tiles(const float* x, int64_t m, int64_t M, int64_t K, int64_t c, int64_t kc, const float* chunk,
-                 float* tiles) {
-  for (; m + kTileRows <= M; m += kTileRows) float_tile<kTileRows>(x + m * K, K, c, kc, chunk, tiles + m * kPanel);
-  const float* xm = x + m * K;
-  float* tm = tiles + m * kPanel;
-  switch (M - m) {
-    case 5: return float_tile<5>(xm, K, c, kc, chunk, tm);
-    case 4: return float_tile<4>(xm, K, c, kc, chunk, tm);
-    case 3: return float_tile<3>(xm, K, c, kc, chunk, tm);
-    case 2: return float_tile<2>(xm, K, c, kc, chunk, tm);
-    case 1: return float_tile<1>(xm, K, c, kc, chunk, tm);
-  }
+                 float* tiles, bool stream, std::integer_sequence<int, Rows...>) {
+  for (; m + kTileRows <= M; m += kTileRows, stream = false)
+    float_tile<kTileRows>(x + m * K, K, c, kc, chunk, tiles + m * kPanel, stream);
+  // The rest (fewer than kTileRows rows) in one tile of that many rows.
+  const int rest = static_cast<int>(M - m);
+  ((rest == Rows + 1 ? float_tile<Rows + 1>(x + m * K, K, c, kc, chunk, tiles + m * kPanel, stream) : void()), ...);
+}
+
+void float_tiles(const float* x, int64_t m, int64_t M, int64_t K, int64_t c, int64_t kc, const float* chunk,
+                 float* tiles, bool stream) {
+  float_tiles(x, m, M, K, c, kc, chunk, tiles, stream, std::make_integer_sequence<int, kTileRows - 1>{});
 }
 
 // Every row of x (M > kDirectRows of them) times the panel `columns` widens, chunk by chunk, into tiles [M][16].
@@ -267,7 +241,7 @@ void chunked_panel(const float* x, int64_t M, int64_t K, const Columns& columns,
   for (int64_t c = 0; c < K; c += kChunk) {
     const int64_t kc = std::min(kChunk, K - c);
     widening_tile<kDirectRows>(x, K, c, kc, columns, buffer, tiles);
-    float_tiles(x, kDirectRows, M, K, c, kc, buffer, tiles);
+    float_tiles(x, kDirectRows, M, K, c, kc, buffer, tiles, false);
   }
 }
 
@@ -276,7 +250,7 @@ template <int MB, int SPLIT>
 void float32_direct(const float* x, int64_t K, const float* w, float* tiles) {
   Accumulators<MB, SPLIT> acc;
   zero(acc);
-  direct_columns<MB, SPLIT>(x, K, 0, K, Float32Columns{w}, reinterpret_cast<const char*>(w), kPanel * 4, acc);
+  direct_columns<MB, SPLIT>(x, K, 0, K, Float32Columns{w}, acc);
   accumulate(acc, nullptr, tiles, true);
 }
 
@@ -287,16 +261,14 @@ void float32_panel(const float* x, int64_t M, int64_t K, const float* w, float* 
     case 3: return float32_direct<3, 1>(x, K, w, tiles);
     case 4: return float32_direct<4, 1>(x, K, w, tiles);
   }
-  for (int64_t c = 0; c < K; c += kChunk) float_tiles(x, 0, M, K, c, std::min(kChunk, K - c), w + c * kPanel, tiles);
+  for (int64_t c = 0; c < K; c += kChunk)
+    float_tiles(x, 0, M, K, c, std::min(kChunk, K - c), w + c * kPanel, tiles, true);
 }
 
 // tiles [M][16] *= the panel's scales (int8, whose chunked tiles multiply the bare integers).
 void scale_tiles(float* tiles, int64_t M, const Panel& panel) {
-  const __m256 s0 = _mm256_loadu_ps(panel.scales(0)), s1 = _mm256_loadu_ps(panel.scales(0) + 8);
-  for (int64_t m = 0; m < M; ++m) {
-    _mm256_storeu_ps(tiles + m * kPanel, _mm256_mul_ps(_mm256_loadu_ps(tiles + m * kPanel), s0));
-    _mm256_storeu_ps(tiles + m * kPanel + 8, _mm256_mul_ps(_mm256_loadu_ps(tiles + m * kPanel + 8), s1));
-  }
+  const Vec16 scales = Vec16::load(panel.scales(0));
+  for (int64_t m = 0; m < M; ++m) (Vec16::load(tiles + m * kPanel) * scales).store(tiles + m * kPanel);
 }
 #endif
 
@@ -328,7 +300,7 @@ void run_panels(int64_t M, int64_t N, float* out, const float* row_scales, const
   const int64_t panels = (N + kPanel - 1) / kPanel;
   pagedserve::shared_for(panels, pagedserve::chunk_for(panels), [&](int64_t begin, int64_t end) {
     std::vector<float> tiles(M * kPanel), gathered(2 * kPanel, 0.f);
-    alignas(32) float buffer[kChunk * kPanel];
+    alignas(64) float buffer[kChunk * kPanel];
     for (int64_t p = begin; p < end; ++p) {
       Panel panel(p, N);
       if (packed_params) {
@@ -354,7 +326,7 @@ void float32_linear(at::Tensor out, at::Tensor x, at::Tensor weight) {
   const float* wp = weight.data_ptr<float>();
   run_panels(M, N, out.data_ptr<float>(), nullptr, nullptr, 1, [&](const Panel& panel, float* tiles, float*) {
     const float* w = wp + panel.index * K * kPanel;
-#ifdef PAGEDSERVE_AVX2
+#ifdef PAGEDSERVE_VEC16
     float32_panel(xp, M, K, w, tiles);
 #else
     portable_panel(xp, M, K, [&](int64_t k, int64_t j) { return w[k * kPanel + j]; }, tiles);
@@ -374,7 +346,7 @@ void int8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor sca
   run_panels(M, N, out.data_ptr<float>(), scales.data_ptr<float>(), nullptr, 1,
              [&](const Panel& panel, float* tiles, float* buffer) {
     const int8_t* w = wp + panel.index * K * kPanel;
-#ifdef PAGEDSERVE_AVX2
+#ifdef PAGEDSERVE_VEC16
     switch (M) {
       case 1: return int8_direct<1, 4>(xp, K, w, panel, tiles);
       case 2: return int8_direct<2, 2>(xp, K, w, panel, tiles);
@@ -413,7 +385,7 @@ void int4_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor par
   run_panels(M, N, out.data_ptr<float>(), nullptr, params.data_ptr<float>(), groups,
              [&](const Panel& panel, float* tiles, float* buffer) {
     const uint8_t* w = wp + panel.index * K * kPanel / 2;
-#ifdef PAGEDSERVE_AVX2
+#ifdef PAGEDSERVE_VEC16
     switch (M) {
       case 1: return int4_direct<1, 4>(xp, K, group, xsum.data(), w, panel, tiles);
       case 2: return int4_direct<2, 2>(xp, K, group, xsum.data(), w, panel, tiles);
