@@ -14,8 +14,11 @@
 // that one input column's 16 weights are adjacent:
 //   float32: float [P, K, 16]: W[16 p + j, k] = w[p, k, j].
 //   int8: int8 [P, K, 16]: W[16 p + j, k] = scales[16 p + j] * q[p, k, j].
-//   int4: uint8 [P, K, 8]: byte j of column k holds row 16 p + j in its low nibble and row 16 p + j + 8 in
-//         its high one; W[n, k] = q * scales[n, g] + zeros[n, g], g = k / group (scales, zeros [N, K / group]).
+//   int4: uint8 [P, K / 2, 16]: byte j of column pair i holds row 16 p + j's column 2 i in its low nibble and
+//         column 2 i + 1 in its high one; W[n, k] = q * scales[n, g] + zeros[n, g], g = k / group (scales,
+//         zeros [N, K / group]; K and the group even). Pairs along K, not rows 0-7 and 8-15 of one column (this
+//         file's layout before): one 16-byte load then widens to two whole columns, half the instructions per
+//         column with AVX-512 (int4 decode at batch 1 and 16 was bound by widening, not by bytes).
 // Every kernel keeps [rows of x] x [16 output rows] accumulators and broadcasts one x element per column:
 // x is read 4 bytes per 16 multiply-adds. (Dot products along K, this file's first design, read x 32 bytes
 // per 8, from L2 once x outgrew L1, and widened each weight once per 4 rows of x.)
@@ -53,7 +56,10 @@ constexpr int64_t kChunk = 256;       // input columns widened at a time: 16 KiB
 // Streaming a panel while doing little arithmetic per byte, the hardware prefetcher alone left these loops
 // reading DRAM at 8-15 GB/s; software prefetches this far ahead keep batch-1 decode at the bandwidth
 // (float32 panels read 64 bytes a column: 4 KiB ahead was 10% slower than 8; int8 and int4 were level).
-constexpr int64_t kPrefetchBytes = 8192;
+#ifndef PAGEDSERVE_PREFETCH_BYTES
+#define PAGEDSERVE_PREFETCH_BYTES 8192
+#endif
+constexpr int64_t kPrefetchBytes = PAGEDSERVE_PREFETCH_BYTES;
 
 // One panel: its rows' scales and zeros per group as 16-wide vectors, 0 for the padding rows: params[g][0..15]
 // scales, params[g][16..31] zeros. int4 weights carry them in this layout (packed once, with the weight); int8
@@ -83,23 +89,35 @@ inline void prefetch_ahead(const void* panel, int64_t k, int64_t column_bytes, i
     _mm_prefetch(static_cast<const char*>(panel) + k * column_bytes + kPrefetchBytes, _MM_HINT_T0);
 }
 
-// A panel's column k as 16 float32 lanes: float32; int8 as integers; int4 as integers or dequantized.
+// A panel's columns as 16 float32 lanes each: float32; int8 as integers; int4 as integers or dequantized.
+// `pair(k, a, b)`: columns k and k + 1 (k even); `single(k)`: column k alone (for an odd K: never int4's);
 // `prefetch(k)`: prefetch_ahead over the panel's bytes.
 struct Float32Columns {
   const float* w;
-  Vec16 operator()(int64_t k) const { return Vec16::load(w + k * kPanel); }
+  Vec16 single(int64_t k) const { return Vec16::load(w + k * kPanel); }
+  void pair(int64_t k, Vec16& a, Vec16& b) const { a = single(k), b = single(k + 1); }
   void prefetch(int64_t k, int64_t step = 1) const { prefetch_ahead(w, k, kPanel * 4, step); }
 };
 
 struct Int8Columns {
   const int8_t* w;
-  Vec16 operator()(int64_t k) const { return Vec16::from_int8(w + k * kPanel); }
+  Vec16 single(int64_t k) const { return Vec16::from_int8(w + k * kPanel); }
+  void pair(int64_t k, Vec16& a, Vec16& b) const { a = single(k), b = single(k + 1); }
   void prefetch(int64_t k, int64_t step = 1) const { prefetch_ahead(w, k, kPanel, step); }
 };
 
+// Column k alone out of its pair.
+template <typename Columns>
+Vec16 single_of_pair(const Columns& columns, int64_t k) {
+  Vec16 a, b;
+  columns.pair(k - k % 2, a, b);
+  return k % 2 ? b : a;
+}
+
 struct Int4Columns {
   const uint8_t* w;
-  Vec16 operator()(int64_t k) const { return Vec16::from_nibbles(w + k * kPanel / 2); }
+  Vec16 single(int64_t k) const { return single_of_pair(*this, k); }
+  void pair(int64_t k, Vec16& a, Vec16& b) const { Vec16::from_nibbles(w + k * kPanel / 2, a, b); }
   void prefetch(int64_t k, int64_t step = 1) const { prefetch_ahead(w, k, kPanel / 2, step); }
 };
 
@@ -107,10 +125,13 @@ struct Int4DequantizedColumns {
   Int4Columns integers;
   const Panel& panel;
   int64_t group;
-  Vec16 operator()(int64_t k) const {
-    return fmadd(integers(k), Vec16::load(panel.scales(k / group)), Vec16::load(panel.zeros(k / group)));
+  Vec16 single(int64_t k) const { return single_of_pair(*this, k); }
+  void pair(int64_t k, Vec16& a, Vec16& b) const {  // k even and the group even: one group for both
+    integers.pair(k, a, b);
+    const Vec16 scales = Vec16::load(panel.scales(k / group)), zeros = Vec16::load(panel.zeros(k / group));
+    a = fmadd(a, scales, zeros), b = fmadd(b, scales, zeros);
   }
-  void prefetch(int64_t k) const { integers.prefetch(k); }
+  void prefetch(int64_t k, int64_t step = 1) const { integers.prefetch(k, step); }
 };
 
 template <int MB, int SPLIT>
@@ -122,22 +143,35 @@ inline void zero(Accumulators<MB, SPLIT>& acc) {
     PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) acc[s][m] = Vec16::zero();
 }
 
-// acc[s][m] += x[m, k + s] * column k + s of the panel for columns [begin, end), widened by `columns`. SPLIT
-// independent sums per accumulator for few rows of x, where one would chain a dependent FMA per column.
+// acc[s][m] += x[m, k] * column k of the panel for columns [begin, end) (begin even), widened by `columns`
+// in pairs, s = k % SPLIT: SPLIT independent sums per accumulator for few rows of x, where one would chain a
+// dependent FMA per column.
 template <int MB, int SPLIT, typename Columns>
 inline void direct_columns(const float* x, int64_t K, int64_t begin, int64_t end, const Columns& columns,
                            Accumulators<MB, SPLIT>& acc) {
+  constexpr int kStep = SPLIT < 2 ? 2 : SPLIT;
   int64_t k = begin;
-  for (; k + SPLIT <= end; k += SPLIT) {
-    columns.prefetch(k, SPLIT);
-    PAGEDSERVE_UNROLL for (int s = 0; s < SPLIT; ++s) {
-      const Vec16 column = columns(k + s);
-      PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m)
-        acc[s][m] = fmadd(Vec16::broadcast(x + m * K + k + s), column, acc[s][m]);
+  for (; k + kStep <= end; k += kStep) {
+    columns.prefetch(k, kStep);
+    PAGEDSERVE_UNROLL for (int s = 0; s < kStep; s += 2) {
+      Vec16 a, b;
+      columns.pair(k + s, a, b);
+      PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) {
+        acc[s % SPLIT][m] = fmadd(Vec16::broadcast(x + m * K + k + s), a, acc[s % SPLIT][m]);
+        acc[(s + 1) % SPLIT][m] = fmadd(Vec16::broadcast(x + m * K + k + s + 1), b, acc[(s + 1) % SPLIT][m]);
+      }
     }
   }
-  for (; k < end; ++k) {
-    const Vec16 column = columns(k);
+  for (; k + 2 <= end; k += 2) {
+    Vec16 a, b;
+    columns.pair(k, a, b);
+    PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) {
+      acc[0][m] = fmadd(Vec16::broadcast(x + m * K + k), a, acc[0][m]);
+      acc[SPLIT - 1][m] = fmadd(Vec16::broadcast(x + m * K + k + 1), b, acc[SPLIT - 1][m]);
+    }
+  }
+  if (k < end) {
+    const Vec16 column = columns.single(k);
     PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) acc[0][m] = fmadd(Vec16::broadcast(x + m * K + k), column, acc[0][m]);
   }
 }
@@ -192,9 +226,20 @@ void widening_tile(const float* x, int64_t K, int64_t c, int64_t kc, const Colum
                    float* tiles) {
   Accumulators<MB, 1> acc;
   zero(acc);
-  for (int64_t k = 0; k < kc; ++k) {
-    columns.prefetch(c + k);
-    const Vec16 column = columns(c + k);
+  int64_t k = 0;
+  for (; k + 2 <= kc; k += 2) {
+    columns.prefetch(c + k, 2);
+    Vec16 a, b;
+    columns.pair(c + k, a, b);
+    a.store(buffer + k * kPanel);
+    b.store(buffer + (k + 1) * kPanel);
+    PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) {
+      acc[0][m] = fmadd(Vec16::broadcast(x + m * K + c + k), a, acc[0][m]);
+      acc[0][m] = fmadd(Vec16::broadcast(x + m * K + c + k + 1), b, acc[0][m]);
+    }
+  }
+  if (k < kc) {
+    const Vec16 column = columns.single(c + k);
     column.store(buffer + k * kPanel);
     PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m)
       acc[0][m] = fmadd(Vec16::broadcast(x + m * K + c + k), column, acc[0][m]);
@@ -283,13 +328,15 @@ void portable_panel(const float* x, int64_t M, int64_t K, WeightAt weight_at, fl
     }
 }
 
-void check_common(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out, int64_t values_per_column) {
+// weight [ceil(N / 16), K / columns_per_entry, 16]: int4 packs two columns in each byte.
+void check_common(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out, int64_t columns_per_entry = 1) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "x, out: float32");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == x.size(0), "x [M, K], out [M, N]");
   TORCH_CHECK(weight.dim() == 3 && weight.size(0) == (out.size(1) + kPanel - 1) / kPanel &&
-                  weight.size(1) == x.size(1) && weight.size(2) == values_per_column,
-              "weight: [ceil(N / 16), K, ", values_per_column, "]");
+                  x.size(1) % columns_per_entry == 0 && weight.size(1) == x.size(1) / columns_per_entry &&
+                  weight.size(2) == kPanel,
+              "weight: [ceil(N / 16), K", columns_per_entry > 1 ? " / 2" : "", ", 16]");
 }
 
 // `compute(panel, tiles [M][16], buffer)` on every panel, in parallel; each panel's tiles are then stored. A
@@ -319,7 +366,7 @@ void run_panels(int64_t M, int64_t N, float* out, const float* row_scales, const
 
 // out[m, n] = sum_k x[m, k] * w[n, k]
 void float32_linear(at::Tensor out, at::Tensor x, at::Tensor weight) {
-  check_common(x, weight, out, kPanel);
+  check_common(x, weight, out);
   TORCH_CHECK(weight.scalar_type() == at::kFloat, "weight: float32");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const float* xp = x.data_ptr<float>();
@@ -336,7 +383,7 @@ void float32_linear(at::Tensor out, at::Tensor x, at::Tensor weight) {
 
 // out[m, n] = scales[n] * sum_k x[m, k] * q[n, k]
 void int8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor scales) {
-  check_common(x, weight, out, kPanel);
+  check_common(x, weight, out);
   TORCH_CHECK(weight.scalar_type() == at::kChar, "weight: int8");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == out.size(1),
               "scales: float32 [N]");
@@ -365,10 +412,10 @@ void int8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor sca
 // out[m, n] = sum_k x[m, k] * (q[n, k] * scales[n, k / group] + zeros[n, k / group]), scales and zeros as
 // params [P, K / group, 32] (Panel's layout).
 void int4_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor params, int64_t group) {
-  check_common(x, weight, out, kPanel / 2);
+  check_common(x, weight, out, 2);
   TORCH_CHECK(weight.scalar_type() == at::kByte, "weight: uint8");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  TORCH_CHECK(group > 0 && K % group == 0, "group must divide K");
+  TORCH_CHECK(group > 0 && group % 2 == 0 && K % group == 0, "group must be even and divide K");
   const int64_t groups = K / group;
   TORCH_CHECK(params.scalar_type() == at::kFloat && params.is_contiguous() &&
                   params.numel() == weight.size(0) * groups * 2 * kPanel,
@@ -395,9 +442,9 @@ void int4_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor par
     chunked_panel(xp, M, K, Int4DequantizedColumns{Int4Columns{w}, panel, group}, buffer, tiles);
 #else
     portable_panel(xp, M, K, [&](int64_t k, int64_t j) {
-      const uint8_t byte = w[k * kPanel / 2 + j % 8];
+      const uint8_t byte = w[k / 2 * kPanel + j];
       const int64_t g = k / group;
-      return static_cast<float>(j < 8 ? byte & 0x0F : byte >> 4) * panel.scales(g)[j] + panel.zeros(g)[j];
+      return static_cast<float>(k % 2 ? byte >> 4 : byte & 0x0F) * panel.scales(g)[j] + panel.zeros(g)[j];
     }, tiles);
 #endif
   });

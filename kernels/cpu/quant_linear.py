@@ -18,9 +18,12 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """q [N, K] with values 0..15 -> uint8 [ceil(N / 16), K, 8] in panel_linear.cpp's layout."""
+    """q [N, K] with values 0..15, K even -> uint8 [ceil(N / 16), K / 2, 16] in panel_linear.cpp's layout
+    (columns 2i and 2i + 1 of a panel's row in the low and high nibble of one byte)."""
+    if q.shape[1] % 2:
+        raise ValueError(f"pack_int4: {q.shape[1]} input columns; int4 panels pair columns, so the count must be even")
     panels = to_panels(q.to(torch.uint8))  # [P, K, 16]
-    return (panels[..., :PANEL // 2] | (panels[..., PANEL // 2:] << 4)).contiguous()
+    return (panels[:, 0::2] | (panels[:, 1::2] << 4)).contiguous()
 
 
 def pack_int4_params(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
@@ -41,7 +44,8 @@ def unpack_int8(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The inverse of pack_int4: uint8 [N, K] with values 0..15."""
-    return from_panels(torch.cat([packed & 0x0F, packed >> 4], dim=-1), n)
+    p, pairs, width = packed.shape
+    return from_panels(torch.stack([packed & 0x0F, packed >> 4], dim=2).view(p, 2 * pairs, width), n)
 
 
 def dequantize_int8(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -27,11 +27,11 @@ struct Vec16 {
   static Vec16 from_int8(const int8_t* p) {
     return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
   }
-  // 8 bytes: lanes 0-7 are their low nibbles, lanes 8-15 their high ones.
-  static Vec16 from_nibbles(const uint8_t* p) {
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi32(0x0F)), hi = _mm256_srli_epi32(v, 4);
-    return {_mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1))};
+  // 16 bytes: `low` their low nibbles, `high` their high ones.
+  static void from_nibbles(const uint8_t* p, Vec16& low, Vec16& high) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    low = {_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)))};
+    high = {_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4))};
   }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   friend Vec16 fmadd(Vec16 a, Vec16 b, Vec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
@@ -53,10 +53,12 @@ struct Vec16 {
     return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
   }
-  static Vec16 from_nibbles(const uint8_t* p) {
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    return {_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F))),
-            _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4))};
+  static void from_nibbles(const uint8_t* p, Vec16& low, Vec16& high) {
+    const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    low = {_mm256_cvtepi32_ps(_mm256_and_si256(v0, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(v1, mask))};
+    high = {_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4))};
   }
   void store(float* p) const {
     _mm256_storeu_ps(p, lo);

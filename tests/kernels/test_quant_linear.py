@@ -1,7 +1,8 @@
 """The CPU weight-only kernels against a float32 matmul on their own dequantized weights, over the shapes
-they split differently: 1-4 rows of x (widened in registers) and 5+ (widened into a buffer, in tiles of 6
-rows), output rows not a multiple of the 16-row panel, inputs longer than the 256-column buffer and not a
-multiple of it, int4 groups from 16 to 128."""
+they split differently: 1-4 rows of x (widened in registers) and 5+ (widened into a buffer, in tiles of 12
+rows with AVX-512 and 6 with AVX2), output rows not a multiple of the 16-row panel, inputs longer than the
+256-column buffer and not a multiple of it, an odd number of inputs (columns are widened in pairs), int4
+groups from 16 to 128."""
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ ROWS = [1, 2, 3, 4, 5, 16, 70, 600]
 
 
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("n,k", [(7, 100), (48, 256), (40, 600)])
+@pytest.mark.parametrize("n,k", [(7, 100), (48, 256), (40, 600), (9, 301)])
 def test_int8_linear_equals_its_dequantized_matmul(rows, n, k):
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
@@ -36,7 +37,7 @@ def test_int4_linear_equals_its_dequantized_matmul(rows, n, k, group):
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     q = torch.randint(0, 16, (n, k), generator=gen)
     packed = pack_int4(q)
-    assert packed.shape == (-(-n // 16), k, 8) and torch.equal(unpack_int4(packed, n), q.to(torch.uint8))
+    assert packed.shape == (-(-n // 16), k // 2, 16) and torch.equal(unpack_int4(packed, n), q.to(torch.uint8))
     scales = torch.rand(n, k // group, generator=gen) * 0.01 + 1e-3
     zeros = -8 * scales + torch.randn(n, k // group, generator=gen) * 1e-3
     x = torch.randn(rows, k, generator=gen)
@@ -46,3 +47,8 @@ def test_int4_linear_equals_its_dequantized_matmul(rows, n, k, group):
     dense = q.float() * scales.repeat_interleave(group, 1) + zeros.repeat_interleave(group, 1)
     torch.testing.assert_close(dequantize_int4(packed, params, group, n), dense)
     torch.testing.assert_close(int4_linear(x, packed, params, group, n, None), F.linear(x, dense), rtol=1e-4, atol=1e-4)
+
+
+def test_int4_packing_refuses_an_odd_number_of_inputs():
+    with pytest.raises(ValueError, match="must be even"):
+        pack_int4(torch.zeros(16, 33, dtype=torch.uint8))

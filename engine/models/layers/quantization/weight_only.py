@@ -116,8 +116,9 @@ def kernel_form(qw: QuantizedWeight, compute: str) -> dict[str, torch.Tensor | i
 
 
 def int4_layout(qw: QuantizedWeight) -> tuple[torch.Tensor | None, int] | tuple[None, None]:
-    """(input permutation or None, group size) that make the groups contiguous runs of equal length;
-    (None, None) when there are none (uneven act-order groups)."""
+    """(input permutation or None, group size) that make the groups contiguous runs of equal, even length
+    (the int4 kernel pairs columns within a group); (None, None) when there are none (uneven act-order
+    groups, or an odd group size)."""
     k = qw.g_idx.numel()
     perm = None
     g_idx = qw.g_idx
@@ -127,7 +128,7 @@ def int4_layout(qw: QuantizedWeight) -> tuple[torch.Tensor | None, int] | tuple[
     starts = torch.nonzero(torch.diff(g_idx, prepend=g_idx[:1] - 1)).flatten()
     lengths = torch.diff(starts, append=torch.tensor([k]))
     group = int(lengths[0])
-    if bool((lengths != group).any()) or k % group:
+    if bool((lengths != group).any()) or k % group or group % 2:
         return None, None
     return perm, group
 
