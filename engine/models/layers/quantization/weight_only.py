@@ -3,7 +3,7 @@
 and this module turns that form into compute, once, after loading:
 
 - int8, one group per row, zero point 128 (symmetric): the int8 kernel (kernels/cpu/quant_linear.py);
-- 4-bit, groups of equal length (after sorting act-order columns by group): the int4 kernel, with the
+- 4-bit, groups of equal, even length (after sorting act-order columns by group): the int4 kernel, with the
   integer zero point folded into a float one;
 - anything else (grouped 8-bit, uneven act-order groups, a device without a kernel, a CPU without a
   compiler): dequantized once to the compute dtype and run as a dense layer.
