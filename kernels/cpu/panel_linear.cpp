@@ -44,7 +44,6 @@
 #include "vec16.h"
 #include "work_sharing.h"
 
-
 namespace {
 
 constexpr int64_t kPanel = 16;        // output rows per panel
@@ -56,10 +55,7 @@ constexpr int64_t kChunk = 256;       // input columns widened at a time: 16 KiB
 // Streaming a panel while doing little arithmetic per byte, the hardware prefetcher alone left these loops
 // reading DRAM at 8-15 GB/s; software prefetches this far ahead keep batch-1 decode at the bandwidth
 // (float32 panels read 64 bytes a column: 4 KiB ahead was 10% slower than 8; int8 and int4 were level).
-#ifndef PAGEDSERVE_PREFETCH_BYTES
-#define PAGEDSERVE_PREFETCH_BYTES 8192
-#endif
-constexpr int64_t kPrefetchBytes = PAGEDSERVE_PREFETCH_BYTES;
+constexpr int64_t kPrefetchBytes = 8192;
 
 // One panel: its rows' scales and zeros per group as 16-wide vectors, 0 for the padding rows: params[g][0..15]
 // scales, params[g][16..31] zeros. int4 weights carry them in this layout (packed once, with the weight); int8
