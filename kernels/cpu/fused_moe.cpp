@@ -7,9 +7,10 @@
 // packed into panels of 16 output rows stored input-major ([E, N / 16, K, 16]), so a panel is one
 // contiguous stream and every weight load feeds up to kMaxRows rows' FMAs (12 with AVX-512, 6 with AVX2).
 //
-// Steps (each one parallel loop, work_sharing.h): (1) per (expert, gate panel) the gate and up panels for the expert's rows,
-// silu(gate) * up into act [pairs, I]; (2) per (expert, down panel) act @ W2.T into y [pairs, H];
-// (3) per token the sum over its k experts of weight * y, in the router's slot order. Every product and
+// Steps, each a parallel loop (work_sharing.h for the first two): (1) per (expert, gate panel) the gate
+// and up panels for the expert's rows, silu(gate) * up into act [pairs, I]; (2) per (expert, down panel)
+// act @ W2.T into y [pairs, H]; (3) per token the sum over its k experts of weight * y, in the router's
+// slot order. Every product and
 // sum is float32; only the order of the sums within a dot product differs from a matmul's.
 
 // Not torch/extension.h: paged_attention.cpp says why.
@@ -71,7 +72,10 @@ inline void panel_rows(int mb, const float* const* rows, const float* panel, int
 inline void panel_rows(int mb, bool prefetch, const float* const* rows, const float* panel, int64_t K,
                        float out[kMaxRows][kPanel]) {
   const auto all_sizes = std::make_integer_sequence<int, kMaxRows>{};
-  prefetch ? panel_rows<true>(mb, rows, panel, K, out, all_sizes) : panel_rows<false>(mb, rows, panel, K, out, all_sizes);
+  if (prefetch)
+    panel_rows<true>(mb, rows, panel, K, out, all_sizes);
+  else
+    panel_rows<false>(mb, rows, panel, K, out, all_sizes);
 }
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }

@@ -168,7 +168,8 @@ inline void direct_columns(const float* x, int64_t K, int64_t begin, int64_t end
   }
   if (k < end) {
     const Vec16 column = columns.single(k);
-    PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) acc[0][m] = fmadd(Vec16::broadcast(x + m * K + k), column, acc[0][m]);
+    PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m)
+      acc[0][m] = fmadd(Vec16::broadcast(x + m * K + k), column, acc[0][m]);
   }
 }
 
