@@ -21,7 +21,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <utility>
 #include <vector>
 
 #include "vec16.h"
@@ -63,19 +62,12 @@ inline void panel_kernel(const float* const* rows, const float* panel, int64_t K
 #endif
 }
 
-template <bool PF, int... Rows>
-inline void panel_rows(int mb, const float* const* rows, const float* panel, int64_t K, float out[kMaxRows][kPanel],
-                       std::integer_sequence<int, Rows...>) {
-  ((mb == Rows + 1 ? panel_kernel<Rows + 1, PF>(rows, panel, K, out) : void()), ...);
-}
-
 inline void panel_rows(int mb, bool prefetch, const float* const* rows, const float* panel, int64_t K,
                        float out[kMaxRows][kPanel]) {
-  const auto all_sizes = std::make_integer_sequence<int, kMaxRows>{};
-  if (prefetch)
-    panel_rows<true>(mb, rows, panel, K, out, all_sizes);
-  else
-    panel_rows<false>(mb, rows, panel, K, out, all_sizes);
+  pagedserve::with_rows<kMaxRows>(mb, [&](auto size) {
+    constexpr int MB = decltype(size)::value;
+    prefetch ? panel_kernel<MB, true>(rows, panel, K, out) : panel_kernel<MB, false>(rows, panel, K, out);
+  });
 }
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
@@ -145,8 +137,7 @@ void moe_experts(at::Tensor out, at::Tensor x, at::Tensor ids, at::Tensor weight
     }
 
   // (1) act[p, panel] = silu(x W_gate.T) * (x W_up.T)
-  const int64_t num_up_items = static_cast<int64_t>(up_items.size());
-  pagedserve::shared_for(num_up_items, pagedserve::chunk_for(num_up_items), [&](int64_t begin, int64_t end) {
+  pagedserve::shared_for(static_cast<int64_t>(up_items.size()), [&](int64_t begin, int64_t end) {
     float gate[kMaxRows][kPanel], up[kMaxRows][kPanel];
     const float* rows[kMaxRows];
     for (int64_t it = begin; it < end; ++it) {
@@ -165,8 +156,7 @@ void moe_experts(at::Tensor out, at::Tensor x, at::Tensor ids, at::Tensor weight
     }
   });
   // (2) y[p, panel] = act[p] W_down.T
-  const int64_t num_down_items = static_cast<int64_t>(down_items.size());
-  pagedserve::shared_for(num_down_items, pagedserve::chunk_for(num_down_items), [&](int64_t begin, int64_t end) {
+  pagedserve::shared_for(static_cast<int64_t>(down_items.size()), [&](int64_t begin, int64_t end) {
     float acc[kMaxRows][kPanel];
     const float* rows[kMaxRows];
     for (int64_t it = begin; it < end; ++it) {

@@ -55,7 +55,7 @@ void decode(const scalar_t* q, const scalar_t* cache, const int32_t* block_table
   const int64_t group = num_heads / num_kv_heads, H = num_heads;
   const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
   const int64_t half = block_size * num_kv_heads * D;  // elements of a block's K (or V)
-  pagedserve::shared_for(num_seqs, pagedserve::chunk_for(num_seqs), [&](int64_t begin, int64_t end) {
+  pagedserve::shared_for(num_seqs, [&](int64_t begin, int64_t end) {
     std::vector<float> query(H * D), acc(H * D), scores(H * block_size), row_max(H), row_sum(H);
     for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t len = seq_lens[seq];

@@ -38,7 +38,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <utility>
 #include <vector>
 
 #include "vec16.h"
@@ -262,19 +261,14 @@ void float_tile(const float* x, int64_t K, int64_t c, int64_t kc, const float* b
 // Rows [m, M) of x times columns [c, c + kc) of a panel, float32 in chunk [kc][16], into tiles [M][16]. `stream`:
 // the chunk is read from memory (a float32 panel, not an L1 buffer): the first tile prefetches ahead. Without
 // it a 600M model's float32 panels streamed at ~13 GB/s at batch 16, against ~46 at batch 1.
-template <int... Rows>
 void float_tiles(const float* x, int64_t m, int64_t M, int64_t K, int64_t c, int64_t kc, const float* chunk,
-                 float* tiles, bool stream, std::integer_sequence<int, Rows...>) {
+                 float* tiles, bool stream) {
   for (; m + kTileRows <= M; m += kTileRows, stream = false)
     float_tile<kTileRows>(x + m * K, K, c, kc, chunk, tiles + m * kPanel, stream);
   // The rest (fewer than kTileRows rows) in one tile of that many rows.
-  const int rest = static_cast<int>(M - m);
-  ((rest == Rows + 1 ? float_tile<Rows + 1>(x + m * K, K, c, kc, chunk, tiles + m * kPanel, stream) : void()), ...);
-}
-
-void float_tiles(const float* x, int64_t m, int64_t M, int64_t K, int64_t c, int64_t kc, const float* chunk,
-                 float* tiles, bool stream) {
-  float_tiles(x, m, M, K, c, kc, chunk, tiles, stream, std::make_integer_sequence<int, kTileRows - 1>{});
+  pagedserve::with_rows<kTileRows - 1>(static_cast<int>(M - m), [&](auto rows) {
+    float_tile<decltype(rows)::value>(x + m * K, K, c, kc, chunk, tiles + m * kPanel, stream);
+  });
 }
 
 // Every row of x (M > kDirectRows of them) times the panel `columns` widens, chunk by chunk, into tiles [M][16].
@@ -341,8 +335,7 @@ void check_common(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 template <typename Compute>
 void run_panels(int64_t M, int64_t N, float* out, const float* row_scales, const float* packed_params,
                 int64_t groups, Compute compute) {
-  const int64_t panels = (N + kPanel - 1) / kPanel;
-  pagedserve::shared_for(panels, pagedserve::chunk_for(panels), [&](int64_t begin, int64_t end) {
+  pagedserve::shared_for((N + kPanel - 1) / kPanel, [&](int64_t begin, int64_t end) {
     std::vector<float> tiles(M * kPanel), gathered(2 * kPanel, 0.f);
     alignas(64) float buffer[kChunk * kPanel];
     for (int64_t p = begin; p < end; ++p) {

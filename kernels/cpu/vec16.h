@@ -6,6 +6,24 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
+#include <utility>
+
+namespace pagedserve {
+
+// Calls f(std::integral_constant<int, R>{}) for the R in [1, N] equal to `rows` (nothing for another): a
+// runtime count of rows of x to the kernel instance templated on it.
+template <typename F, int... R>
+inline void with_rows(int rows, const F& f, std::integer_sequence<int, R...>) {
+  ((rows == R + 1 ? f(std::integral_constant<int, R + 1>{}) : void()), ...);
+}
+
+template <int N, typename F>
+inline void with_rows(int rows, const F& f) {
+  with_rows(rows, f, std::make_integer_sequence<int, N>{});
+}
+
+}  // namespace pagedserve
 
 // GCC keeps arrays of vector accumulators in registers only when the loops over them are unrolled in full;
 // otherwise it stores every accumulator to the stack after each FMA (half the speed).

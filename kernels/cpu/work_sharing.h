@@ -16,14 +16,18 @@
 
 namespace pagedserve {
 
-// Calls f(begin, end) over [0, n) in chunks of at most `chunk` items (in increasing order within a thread),
-// from up to at::get_num_threads() threads; all calls have returned when this does.
+// Calls f(begin, end) over [0, n) in chunks (in increasing order within a thread), from up to
+// at::get_num_threads() threads; all calls have returned when this does. About kChunksPerThread chunks per
+// thread: small enough that one thread can take over most of another's work, large enough that each chunk
+// streams a long contiguous run.
+constexpr int64_t kChunksPerThread = 8;
+
 template <typename F>
-void shared_for(int64_t n, int64_t chunk, const F& f) {
+void shared_for(int64_t n, const F& f) {
   if (n <= 0) return;
-  chunk = std::max<int64_t>(1, chunk);
-  const int64_t chunks = (n + chunk - 1) / chunk;
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), chunks);
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t chunk = std::max<int64_t>(1, n / (threads * kChunksPerThread));
+  const int64_t workers = std::min<int64_t>(threads, (n + chunk - 1) / chunk);
   if (workers <= 1 || at::in_parallel_region()) {
     f(0, n);
     return;
@@ -32,12 +36,6 @@ void shared_for(int64_t n, int64_t chunk, const F& f) {
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     for (int64_t b; (b = next.fetch_add(chunk, std::memory_order_relaxed)) < n;) f(b, std::min(n, b + chunk));
   });
-}
-
-// A chunk size that gives each thread about `per_thread` chunks of [0, n): small enough that one thread
-// can take over most of another's work, large enough that each chunk streams a long contiguous run.
-inline int64_t chunk_for(int64_t n, int64_t per_thread = 8) {
-  return std::max<int64_t>(1, n / (std::max<int64_t>(1, at::get_num_threads()) * per_thread));
 }
 
 }  // namespace pagedserve
