@@ -13,7 +13,7 @@ scores 0.
 The search is coordinate descent: dimensions in turn, each trying its values with the best of the
 earlier ones fixed:
 1. layout: engine replicas on this host x torch threads each (`num_replicas`, `engine.num_threads`), the
-   combinations that fit its cores;
+   combinations that fit its cores, each with its choices of `engine.small_step_threads`;
 2. `engine.max_num_seqs`;  3. `engine.max_num_batched_tokens`;
 4. the app's stream settings (`stream_*` fields of AppArgs: when streams coalesce tokens).
 Prints every trial as it ends, then the table, and writes the best candidate's `args:` section (engine
@@ -41,9 +41,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def layouts(cores: int) -> list[dict]:
-    """Replicas x threads that fit `cores` (more would oversubscribe: OpenMP threads spin on each other)."""
-    return [{"num_replicas": r, "engine": {"num_threads": t}}
-            for r in range(1, cores + 1) for t in range(1, cores + 1) if r * t <= cores]
+    """Replicas x threads that fit `cores` (more would oversubscribe: OpenMP threads spin on each other),
+    and with several threads, each smaller thread count for small steps (`engine.small_step_threads`)."""
+    return [{"num_replicas": r, "engine": {"num_threads": t, "small_step_threads": small}}
+            for r in range(1, cores + 1) for t in range(1, cores + 1) if r * t <= cores
+            for small in [None, *range(1, t)]]
 
 
 def dimensions(cores: int) -> list[tuple[str, list[dict]]]:

@@ -57,6 +57,7 @@ class Worker:
     def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device,
                  groups: ParallelGroups | None = None) -> None:
         self.config, self.spec, self.device = config, spec, device
+        self.threads = torch.get_num_threads()  # what the rank's process was given (threads_per_rank)
         self.groups = groups
         load_format = "safetensors" if config.load_format == "auto" else config.load_format
         if groups is None:
@@ -131,6 +132,7 @@ class Worker:
             work.wait(self.pp.timeout)
         self._sends = []
         dev = self.device
+        self._set_threads(inp.num_tokens)
         self.attn_backend.plan(inp.attention_metadata(dev))
         meta = inp.kv_meta
         layers = self.model.attention_layers
@@ -160,6 +162,16 @@ class Worker:
         if not len(inp.logit_rows):
             return None
         return self.model.compute_logits(out[torch.from_numpy(inp.logit_rows).to(dev)])
+
+
+    def _set_threads(self, num_tokens: int) -> None:
+        """small_step_threads for small steps, the rank's threads otherwise (EngineConfig says why)."""
+        small = self.config.small_step_threads
+        if small is None or self.device.type != "cpu":
+            return
+        threads = small if num_tokens <= self.config.small_step_max_tokens else self.threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 def threads_per_rank(config: EngineConfig, ranks_on_host: int) -> int:
