@@ -58,7 +58,8 @@ def dimensions(cores: int) -> list[tuple[str, list[dict]]]:
 
 
 # The app's stream settings worth trying (AppArgs' stream_* fields; serve_app/llm_server.py says what each does).
-STREAM_SETTINGS = [{"stream_coalesce_cpu_pressure": p} for p in (0.5, 0.8, None)]
+STREAM_SETTINGS = [{"stream_coalesce_cpu_utilization": u, "stream_coalesce_interval_s": s}
+                   for u, s in ((0.95, 0.25), (0.95, 0.1), (0.9, 0.25), (None, 0.25))]
 
 
 def merge(args: dict, change: dict) -> dict:

@@ -26,8 +26,8 @@ times (a fresh app each time) and pools each arm's requests.
   usage). P/D: the prefill pool is routed by the same prefix router (P/D requires it), the decode pool by
   load; min_uncached_prompt_tokens 512 sends every 1,500-token prompt to the prefill replica and keeps every
   chat prompt on the decode replica.
-- Streams are never coalesced on CPU pressure (stream_coalesce_cpu_pressure: None) in either arm: on this
-  shared machine the pressure comes and goes with other people's work, and resting streams would blur the
+- Streams are never coalesced on CPU load (stream_coalesce_cpu_utilization: None) in either arm: on this
+  shared machine the load comes and goes with other people's work, and resting streams would blur the
   very gaps measured here. Every engine step's token leaves at once.
 - Transfers: the decode replica's own counters (LLMServer.pd_stats: bytes and seconds from the fetch to the
   KV staged on the decode side), read through a DeploymentHandle from a driver that joins the app's Ray
@@ -90,7 +90,7 @@ ARMS = ("colocated", "P/D")
 def app_config(model: str, arm: str, pd_args: dict | None = None) -> dict:
     engine = {"max_model_len": 2048, "num_kv_blocks": NUM_KV_BLOCKS, "num_threads": 1, "enable_chunked_prefill": True,
               "max_num_batched_tokens": CHUNK}
-    args = {"model": model, "router": "prefix", "engine": engine, "stream_coalesce_cpu_pressure": None}
+    args = {"model": model, "router": "prefix", "engine": engine, "stream_coalesce_cpu_utilization": None}
     if arm == "colocated":
         args["num_replicas"] = 2
         engines = ["LLMServer"]

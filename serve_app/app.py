@@ -74,4 +74,4 @@ def _engine_deployment(args: AppArgs, name: str, role: str | None, router: str, 
         request_router_config=router_config,
         **placement,
     ).bind(engine_config.model_dump(mode="json"), args.name, args.tracing.model_dump(),
-           StreamPacing(args.stream_coalesce_cpu_pressure, args.stream_coalesce_interval_s), worker_bundle, **extra)
+           StreamPacing(args.stream_coalesce_cpu_utilization, args.stream_coalesce_interval_s), worker_bundle, **extra)

@@ -124,16 +124,16 @@ class AppArgs(BaseModel):
     ray_actor_options: dict[str, Any] = Field(
         default_factory=lambda: {"num_cpus": 0}, description="Ray actor options of each engine replica."
     )
-    stream_coalesce_cpu_pressure: float | None = Field(
-        0.5, ge=0, le=1,
+    stream_coalesce_cpu_utilization: float | None = Field(
+        0.95, ge=0, le=1,
         description="Streams send each token as soon as the engine makes it, one message per engine step, "
-        "unless the CPU is saturated: while the CPU pressure (Linux PSI: the share of time some runnable task "
-        "waited for a CPU, sampled every 0.5 s) is at or above this, each stream rests stream_coalesce_interval_s "
+        "unless the CPU is saturated: while the busy share of the CPUs the replica may use (its cgroup's, else "
+        "the machine's; over the last second) is at or above this, each stream rests stream_coalesce_interval_s "
         "between messages and the tokens made meanwhile travel together. None: never. Either way a stream whose "
         "consumer lags gets the tokens it has not taken merged.",
     )
     stream_coalesce_interval_s: float = Field(
-        0.1, gt=0, le=1, description="The rest between a stream's messages while the CPU is saturated.")
+        0.25, gt=0, le=1, description="The rest between a stream's messages while the CPU is saturated.")
     disaggregation: DisaggregationConfig | None = Field(
         None, description="Disaggregated prefill/decode: a prefill and a decode pool, each sized in its section (the "
         "top-level num_replicas / autoscaling_config are refused then); `router` applies to the prefill pool.")

@@ -24,7 +24,7 @@ from engine.config import EngineConfig
 from engine.outputs import RequestOutput, StepTiming
 from engine.stats import EngineStats
 from serve_app import replica_context, tracing
-from serve_app.cpu_pressure import CpuPressure
+from serve_app.cpu_utilization import CpuUtilization
 from serve_app.engine_request import EngineRequest
 from serve_app.disaggregation.orchestrator import PDSettings, PrefillOrchestrator
 from serve_app.disaggregation.transfer import KVFetchRequest, KVFetchResult, PrefillResult, put_staged, staging_dir
@@ -34,20 +34,20 @@ from serve_app.ray_workers import RayWorkerLauncher
 logger = logging.getLogger(__name__)
 
 _METRICS_PERIOD_S = 1.0
-_PRESSURE_PERIOD_S = 0.5
+_UTILIZATION_PERIOD_S = 1.0  # long enough that a moment of quiet or of work does not flip streams
 _ENGINE_WATCH_PERIOD_S = 0.5
 _DEAD_ENGINE_ERROR_GRACE_S = 2.0  # longest wait for the streams of a dead engine to send their error
 
 
 @dataclass(frozen=True)
 class StreamPacing:
-    """When streams coalesce tokens on purpose (AppArgs.stream_coalesce_*): while the CPU pressure is at or
-    above `cpu_pressure` (None: never), each stream rests `interval_s` between messages. Every message
+    """When streams coalesce tokens on purpose (AppArgs.stream_coalesce_*): while the CPU utilization is at
+    or above `cpu_utilization` (None: never), each stream rests `interval_s` between messages. Every message
     costs CPU in this replica, the ingress and HAProxy; on a saturated machine that CPU comes out of the
     engine's steps, so fewer, fuller messages serve more tokens. Below it, every step's token leaves at once."""
 
-    cpu_pressure: float | None = 0.5
-    interval_s: float = 0.1
+    cpu_utilization: float | None = 0.95
+    interval_s: float = 0.25
 
 
 @serve.deployment(
@@ -86,9 +86,9 @@ class LLMServer:
         self.lora_request_counts: Counter[str] = Counter()  # requests per LoRA adapter since start
         self._metrics_task = asyncio.get_event_loop().create_task(self._export_metrics())
         self.pacing = pacing or StreamPacing()
-        self.cpu = CpuPressure()
+        self.cpu = CpuUtilization()
         self.saturated = False  # the CPU is saturated: streams coalesce (StreamPacing)
-        self._pressure_task = asyncio.get_event_loop().create_task(self._watch_cpu())
+        self._cpu_task = asyncio.get_event_loop().create_task(self._watch_cpu())
         self._engine_task = asyncio.get_event_loop().create_task(self._watch_engine())
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
@@ -221,11 +221,11 @@ class LLMServer:
         return dict(self.lora_request_counts)
 
     async def _watch_cpu(self) -> None:
-        threshold = self.pacing.cpu_pressure
-        if threshold is None or self.cpu.path is None:
+        threshold = self.pacing.cpu_utilization
+        if threshold is None or self.cpu.source is None:
             return  # never saturated as far as streams know: they coalesce only when their consumer lags
         while True:
-            await asyncio.sleep(_PRESSURE_PERIOD_S)
+            await asyncio.sleep(_UTILIZATION_PERIOD_S)
             share = self.cpu.sample()
             self.saturated = share is not None and share >= threshold
 

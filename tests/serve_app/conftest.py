@@ -93,7 +93,7 @@ class SmallApp:
 def small_app(deploy_app):
     """One one-replica app for the checks that need settings of their own (each app deployed costs 15-25 s
     on 2 cores), chosen so that they do not get in each other's way: two API keys; one running request and
-    one queued (the overload check); every stream paced as on a saturated CPU (pressure threshold 0, 0.25 s
+    one queued (the overload check); every stream paced as on a saturated CPU (utilization threshold 0, 0.25 s
     rests); spans exported to `receiver` only once an hour, so that they are still queued when the app is
     stopped, which the test that stops it (marked `runs_last`) checks."""
     from benchmarks.otlp_receiver import OTLPReceiver
@@ -101,7 +101,7 @@ def small_app(deploy_app):
     receiver = OTLPReceiver()
     url = deploy_app(SMALL_APP, "/small", num_replicas=1, api_keys=list(SMALL_APP_KEYS),
                      engine={**ENGINE, "max_num_seqs": 1, "max_waiting_requests": 1},
-                     stream_coalesce_cpu_pressure=0.0, stream_coalesce_interval_s=0.25,
+                     stream_coalesce_cpu_utilization=0.0, stream_coalesce_interval_s=0.25,
                      tracing={"exporter": "otlp", "protocol": "http/protobuf", "endpoint": receiver.endpoint,
                               "export_interval_ms": 3_600_000})
     yield SmallApp(url, receiver, {"Authorization": f"Bearer {SMALL_APP_KEYS[0]}"})

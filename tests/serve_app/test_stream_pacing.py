@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from serve_app.cpu_pressure import CpuPressure
+from serve_app.cpu_utilization import CpuUtilization
 
 
 def _events(url: str, max_tokens: int, headers: dict | None = None) -> list[int]:
@@ -28,10 +28,10 @@ def _events(url: str, max_tokens: int, headers: dict | None = None) -> list[int]
     return tokens
 
 
-@pytest.mark.skipif(CpuPressure().path is None, reason="no CPU pressure information (Linux PSI) here")
+@pytest.mark.skipif(CpuUtilization().source is None, reason="no CPU usage figures (cgroup, /proc/stat) here")
 def test_saturated_cpu_coalesces_tokens(small_app):
-    # small_app's threshold is 0: any pressure counts as saturated, so every stream is paced at 0.25 s.
-    time.sleep(1.5)  # a replica just started samples the pressure every 0.5 s
+    # small_app's threshold is 0: any utilization counts as saturated, so every stream is paced at 0.25 s.
+    time.sleep(2.5)  # a replica just started samples the utilization every second
     tokens = _events(small_app.url, 200, small_app.auth)
     assert sum(tokens) == 200
     assert tokens[0] >= 1 and len(tokens) < 100, tokens  # fewer, fuller messages than one per step
