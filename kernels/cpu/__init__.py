@@ -2,7 +2,8 @@
 build per CPU type; `make install` compiles them all ahead, side by side (`python -m kernels.cpu`).
 
 `load_cpu_kernels()` (paged attention), `load_linear_kernels()` (linear layers over float32, int8 and int4
-weight panels) and `load_moe_kernels()` (mixture-of-experts layers) return a compiled module, or None when no
+weight panels), `load_moe_kernels()` (mixture-of-experts layers) and `load_elementwise_kernels()` (RMSNorm,
+rotary embeddings) return a compiled module, or None when no
 compiler is available; callers then fall back to a pure-torch path. One module each: each rebuilds only when
 its own sources change, and a model compiles only the kernels it runs."""
 
@@ -20,6 +21,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "paged_attention.cpp"]
 _LINEAR_SOURCES = [Path(__file__).parent / "panel_linear.cpp"]
 _MOE_SOURCES = [Path(__file__).parent / "fused_moe.cpp"]
+_ELEMENTWISE_SOURCES = [Path(__file__).parent / "elementwise.cpp"]
 _HEADERS = [Path(__file__).parent / h for h in ("work_sharing.h", "vec16.h")]  # torch keys a build by its sources only
 # Extra compiler flags, e.g. "-mno-avx512f" to build (and test) the AVX2 paths on an AVX-512 machine.
 _EXTRA_CFLAGS = os.environ.get("PAGEDSERVE_CPU_CFLAGS", "").split()
@@ -53,6 +55,11 @@ def linear_kernels_available() -> bool:
 @functools.cache
 def load_moe_kernels():
     return _load("pagedserve_moe_kernels", _MOE_SOURCES, "CPU mixture-of-experts kernel")
+
+
+@functools.cache
+def load_elementwise_kernels():
+    return _load("pagedserve_elementwise_kernels", _ELEMENTWISE_SOURCES, "CPU elementwise kernels")
 
 
 def _load(name: str, sources: list[Path], what: str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import ProcessPoolExecutor
 
-from kernels.cpu import load_cpu_kernels, load_linear_kernels, load_moe_kernels
+from kernels.cpu import load_cpu_kernels, load_elementwise_kernels, load_linear_kernels, load_moe_kernels
 
 
 def _build(loader) -> bool:
@@ -13,7 +13,7 @@ def _build(loader) -> bool:
 
 
 if __name__ == "__main__":
-    loaders = [load_cpu_kernels, load_linear_kernels, load_moe_kernels]
+    loaders = [load_cpu_kernels, load_linear_kernels, load_moe_kernels, load_elementwise_kernels]
     with ProcessPoolExecutor(len(loaders)) as pool:  # one compiler each: a build is one translation unit
         built = list(pool.map(_build, loaders))
     print(f"CPU kernels compiled: {sum(built)} of {len(built)}")

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from kernels.cpu import elementwise
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -35,11 +37,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if elementwise.available(q):
+            return (elementwise.rotary_neox(q, positions, self.cos, self.sin),
+                    elementwise.rotary_neox(k, positions, self.cos, self.sin))
         cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The torch path (and the reference for kernels/cpu/elementwise.cpp)."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

@@ -1,0 +1,56 @@
+"""kernels/cpu/elementwise.cpp against the layers' torch code it replaces on CPU (engine/models/layers)."""
+
+import pytest
+import torch
+
+from engine.models.layers.norm import rms_norm as torch_rms_norm
+from engine.models.layers.rotary import RotaryEmbedding, _rotate
+from kernels.cpu import elementwise, load_elementwise_kernels
+
+pytestmark = pytest.mark.skipif(load_elementwise_kernels() is None, reason="no compiler for the CPU kernels")
+
+# float32: summation order only; bfloat16: where a float32 difference crosses a rounding boundary, one ulp
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+ROWS = [1, 7, 300]  # 300 x 512 takes the multi-threaded path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROWS)
+def test_rms_norm_with_and_without_residual(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x, residual = (torch.randn(rows, 512, generator=g).to(dtype) for _ in range(2))
+    weight = (torch.rand(512, generator=g) + 0.5).to(dtype)
+    torch.testing.assert_close(elementwise.rms_norm(x, weight, 1e-5), torch_rms_norm(x, weight, 1e-5), **TOLERANCE[dtype])
+    normed, summed = elementwise.rms_norm(x, weight, 1e-5, residual)
+    want_normed, want_summed = torch_rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(summed, want_summed)  # the sum is rounded where torch rounds it
+    torch.testing.assert_close(normed, want_normed, **TOLERANCE[dtype])
+
+
+def test_rms_norm_of_a_strided_view_normalises_each_head():
+    qkv = torch.randn(5, 3 * 4 * 64)
+    q = qkv[:, : 4 * 64].view(5, 4, 64)  # qk_norm models normalise each head of a view like this
+    weight = torch.rand(64) + 0.5
+    torch.testing.assert_close(elementwise.rms_norm(q, weight, 1e-6), torch_rms_norm(q, weight, 1e-6),
+                               **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", ROWS)
+def test_rotary_on_a_view_of_the_fused_qkv(dtype, tokens):
+    rope = RotaryEmbedding(64, 4096, 500000.0, None)
+    qkv = torch.randn(tokens, (8 + 2 * 4) * 64, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    q = qkv[:, : 8 * 64].view(tokens, 8, 64)  # strided: what Attention.forward hands over
+    k = qkv[:, 8 * 64 : 12 * 64].view(tokens, 4, 64)
+    positions = torch.randint(0, 4096, (tokens,))
+    cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
+    got_q, got_k = rope(positions, q, k)
+    torch.testing.assert_close(got_q, _rotate(q, cos, sin), **TOLERANCE[dtype])
+    torch.testing.assert_close(got_k, _rotate(k, cos, sin), **TOLERANCE[dtype])
+
+
+def test_rotary_refuses_a_position_outside_its_tables():
+    rope = RotaryEmbedding(64, 128, 10000.0, None)
+    q = torch.randn(2, 8, 64)
+    with pytest.raises(RuntimeError, match="position 128 outside"):
+        rope(torch.tensor([0, 128]), q, q)
