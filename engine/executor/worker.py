@@ -163,7 +163,6 @@ class Worker:
             return None
         return self.model.compute_logits(out[torch.from_numpy(inp.logit_rows).to(dev)])
 
-
     def _set_threads(self, num_tokens: int) -> None:
         """small_step_threads for small steps, the rank's threads otherwise (EngineConfig says why)."""
         small = self.config.small_step_threads

@@ -31,5 +31,5 @@ def rotary_neox(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
-    load_elementwise_kernels().rotary_neox(out, x, positions, cos, sin)
+    load_elementwise_kernels().rotary_neox(out, x, positions.long().contiguous(), cos, sin)
     return out
