@@ -14,7 +14,10 @@ Loads: Poisson arrivals at --rate requests/s (--num-requests of them), then --bu
 Prompts of 32-256 random tokens, 16-128 output tokens, greedy, ignore_eos. One open-loop client for all
 (benchmarks/stream_client.py): output tokens/s, TTFT p50/p95/p99, ITL per token p50/p99 (an event of k
 tokens counts as k gaps of its interval / k), TPOT mean, tokens per SSE event and the share of events
-carrying one token; then our ratios to llama-server and to the offline engine. With --profile, py-spy
+carrying one token; then our ratios to llama-server and to the offline engine. Before the loads, each server
+also gets one request at a time (--idle-prompts lengths, 8 each, 2 output tokens): median TTFT on an idle
+server, where the gap between two systems that prefill at the same rate is their fixed per-request latency
+(HTTP, hops between processes). With --profile, py-spy
 samples the app's ingress, engine replica and engine-core processes during the rate phase and the
 hottest functions of each are printed (speedscope files are written to DIR).
 
@@ -92,6 +95,32 @@ def llama_server(llama: llamacpp.LlamaCpp, gguf: Path, slots: int, threads: int,
 
 
 # --- measuring ---------------------------------------------------------------------------------------
+
+IDLE_REPEATS = 8
+
+
+def idle_ttft(name: str, send, prompt_lens: list[int], keepalive: bool = True, seed: int = 0) -> dict[int, float]:
+    """Median TTFT (ms) per prompt length of requests sent one at a time to an idle server."""
+    import random
+    import statistics
+
+    rng = random.Random(seed)
+
+    async def go():
+        ttft: dict[int, list[float]] = {n: [] for n in prompt_lens}
+        async with http_client(keepalive) as client:
+            await send(client, [1, 5, 6], 4)  # warm-up
+            for _ in range(IDLE_REPEATS):
+                for n in prompt_lens:
+                    prompt = [1] + [rng.randrange(3, 32000) for _ in range(n - 1)]
+                    ttft[n].append((await send(client, prompt, 2)).ttft * 1e3)
+                    await asyncio.sleep(0.05)  # idle between requests
+        return {n: statistics.median(v) for n, v in ttft.items()}
+
+    medians = asyncio.run(go())
+    print(f"  {name}, idle: TTFT " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in medians.items()), flush=True)
+    return medians
+
 
 
 def measure(name: str, send, loads: dict[str, list[Request]], on_load_start=None, on_load_end=None,
@@ -179,6 +208,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=8300, help="our app's HTTP port; llama-server uses port + 1")
+    ap.add_argument("--idle-prompts", type=int, nargs="*", default=[40, 144, 250],
+                    help="prompt lengths for the idle TTFT (none: skip it)")
     ap.add_argument("--only", choices=["app", "llamacpp"], help="run one side only (for profiling)")
     ap.add_argument("--profile", type=Path, help="py-spy the app's processes during the rate load; files here")
     ap.add_argument("--app-log", type=Path, help="serve run's output goes here")
@@ -197,6 +228,7 @@ def main() -> None:
     print(f"model {model}; {args.num_requests} requests at {args.rate}/s and {args.burst} at once; prompts 32-256, "
           f"outputs 16-128 tokens", flush=True)
     rows: list[dict] = []
+    idle: dict[str, dict[int, float]] = {}
 
     if args.only != "llamacpp":
         # The offline engine first: run after an app, it would share the CPU with the app's Ray processes
@@ -217,6 +249,8 @@ def main() -> None:
         env = dict(item.split("=", 1) for item in args.env)
         label = f"pagedserve app ({Path(args.config).name}, HAProxy{''.join(f', {k}={v}' for k, v in env.items())})"
         with serve_process.serve_run(config, args.port, log=args.app_log, env=env) as app:
+            if args.idle_prompts:
+                idle[label] = idle_ttft(label, lambda c, p, m: send_openai(c, app.url, model, p, m), args.idle_prompts)
             profiler = Profiler(app, args.profile, args.num_requests / args.rate) if args.profile else None
             cpu_before: dict[str, float] = {}
 
@@ -239,6 +273,10 @@ def main() -> None:
         gguf = llamacpp.convert_to_gguf(hf_dir, llamacpp.cache_dir() / "models" / f"{hf_dir.name}-f32.gguf", "f32", llama)
         for slots in args.slots:
             with llama_server(llama, gguf, slots, args.threads, args.port + 1) as url:
+                if args.idle_prompts and slots == max(args.slots):
+                    idle[f"llama-server, {slots} slots"] = idle_ttft(
+                        f"llama-server, {slots} slots", lambda c, p, m: send_llamacpp(c, url, p, m), args.idle_prompts,
+                        keepalive=False)
                 rows += measure(f"llama-server, {slots} slots", lambda c, p, m: send_llamacpp(c, url, p, m), loads,
                                 keepalive=False)
 
@@ -247,7 +285,23 @@ def main() -> None:
         if "cpu_ms_by_role" in r:
             roles = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["cpu_ms_by_role"].items()))
             print(f"app CPU ms per request, {r['load']}: {sum(r['cpu_ms_by_role'].values()):.1f} ({roles})")
+    idle_table(idle)
     ratios(rows, args)
+
+
+def idle_table(idle: dict[str, dict[int, float]]) -> None:
+    """Idle TTFT per prompt length, and each system's excess over the first llama-server row."""
+    if not idle:
+        return
+    lens = list(next(iter(idle.values())))
+    peer = next((v for k, v in idle.items() if k.startswith("llama-server")), None)
+    print("\nidle TTFT, one request at a time (median ms):")
+    print("| system | " + " | ".join(f"{n} tokens" for n in lens) + " |")
+    print("|---|" + "---:|" * len(lens))
+    for name, medians in idle.items():
+        cells = [f"{medians[n]:.1f}" + (f" ({medians[n] - peer[n]:+.1f})" if peer and medians is not peer else "")
+                 for n in lens]
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 def _builtin_dir(model: str) -> Path:
