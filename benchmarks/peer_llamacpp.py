@@ -28,6 +28,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import random
+import statistics
 import subprocess
 import sys
 import time
@@ -101,9 +103,6 @@ IDLE_REPEATS = 8
 
 def idle_ttft(name: str, send, prompt_lens: list[int], keepalive: bool = True, seed: int = 0) -> dict[int, float]:
     """Median TTFT (ms) per prompt length of requests sent one at a time to an idle server."""
-    import random
-    import statistics
-
     rng = random.Random(seed)
 
     async def go():
@@ -120,7 +119,6 @@ def idle_ttft(name: str, send, prompt_lens: list[int], keepalive: bool = True, s
     medians = asyncio.run(go())
     print(f"  {name}, idle: TTFT " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in medians.items()), flush=True)
     return medians
-
 
 
 def measure(name: str, send, loads: dict[str, list[Request]], on_load_start=None, on_load_end=None,
@@ -249,8 +247,9 @@ def main() -> None:
         env = dict(item.split("=", 1) for item in args.env)
         label = f"pagedserve app ({Path(args.config).name}, HAProxy{''.join(f', {k}={v}' for k, v in env.items())})"
         with serve_process.serve_run(config, args.port, log=args.app_log, env=env) as app:
+            send = lambda c, p, m: send_openai(c, app.url, model, p, m)  # noqa: E731
             if args.idle_prompts:
-                idle[label] = idle_ttft(label, lambda c, p, m: send_openai(c, app.url, model, p, m), args.idle_prompts)
+                idle[label] = idle_ttft(label, send, args.idle_prompts)
             profiler = Profiler(app, args.profile, args.num_requests / args.rate) if args.profile else None
             cpu_before: dict[str, float] = {}
 
@@ -263,7 +262,7 @@ def main() -> None:
                 after = app.cpu_seconds()
                 return {"cpu_ms_by_role": {k: (v - cpu_before.get(k, 0.0)) / n * 1e3 for k, v in after.items()}}
 
-            rows += measure(label, lambda c, p, m: send_openai(c, app.url, model, p, m), loads, load_start, load_end)
+            rows += measure(label, send, loads, load_start, load_end)
             if profiler:
                 profiler.report()
 
@@ -273,12 +272,10 @@ def main() -> None:
         gguf = llamacpp.convert_to_gguf(hf_dir, llamacpp.cache_dir() / "models" / f"{hf_dir.name}-f32.gguf", "f32", llama)
         for slots in args.slots:
             with llama_server(llama, gguf, slots, args.threads, args.port + 1) as url:
+                name, send = f"llama-server, {slots} slots", lambda c, p, m: send_llamacpp(c, url, p, m)
                 if args.idle_prompts and slots == max(args.slots):
-                    idle[f"llama-server, {slots} slots"] = idle_ttft(
-                        f"llama-server, {slots} slots", lambda c, p, m: send_llamacpp(c, url, p, m), args.idle_prompts,
-                        keepalive=False)
-                rows += measure(f"llama-server, {slots} slots", lambda c, p, m: send_llamacpp(c, url, p, m), loads,
-                                keepalive=False)
+                    idle[name] = idle_ttft(name, send, args.idle_prompts, keepalive=False)
+                rows += measure(name, send, loads, keepalive=False)
 
     table(rows)
     for r in rows:
