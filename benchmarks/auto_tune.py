@@ -12,6 +12,7 @@ scores 0.
 
 The search is coordinate descent: dimensions in turn, each trying its values with the best of the
 earlier ones fixed:
+0. ingress: the engine replicas serve HTTP themselves or behind an ingress deployment (`direct_streaming`);
 1. layout: engine replicas on this host x torch threads each (`num_replicas`, `engine.num_threads`), the
    combinations that fit its cores, each with its choices of `engine.small_step_threads`;
 2. `engine.max_num_seqs`;  3. `engine.max_num_batched_tokens`;
@@ -50,6 +51,7 @@ def layouts(cores: int) -> list[dict]:
 
 def dimensions(cores: int) -> list[tuple[str, list[dict]]]:
     return [
+        ("ingress", [{"direct_streaming": d} for d in (True, False)]),
         ("layout", layouts(cores)),
         ("max_num_seqs", [{"engine": {"max_num_seqs": n}} for n in (32, 64, 128)]),
         ("max_num_batched_tokens", [{"engine": {"max_num_batched_tokens": n}} for n in (512, 1024, 2048)]),
@@ -80,8 +82,8 @@ def trial(config: dict, args: dict, rates: list[float], duration: float, port: i
     ttft_slo, itl_slo = slo
     model = args["model"]
     runs = []
-    if args.get("num_replicas", 1) > 1:
-        args["router"] = "prefix"  # the product's router once there is a choice to make
+    if args.get("num_replicas", 1) > 1 and not args.get("direct_streaming"):
+        args["router"] = "prefix"  # the product's router once there is a choice to make (HAProxy's if direct)
     app_config = copy.deepcopy(config)
     app_config["applications"][0]["args"] = args
     with serve_process.serve_run(app_config, port) as app:

@@ -6,9 +6,10 @@ serve_app.app:build_app` with `args:` in a config file (configs/default.yaml).""
 
 import ray
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from serve_app.app_args import ROUTERS, AppArgs
+from serve_app.engine_ingress import EngineIngress
 from serve_app.ingress import OpenAIIngress
 from serve_app.llm_server import LLMServer, StreamPacing
 from serve_app.placement import check_placement
@@ -46,6 +47,8 @@ def build_app(args: AppArgs) -> Application:
         prefill = _engine_deployment(args, "PrefillServer", "prefill", args.router, args.router_kwargs)
         engine = _engine_deployment(args, "DecodeServer", "decode", "prefix", {"affinity": False},
                                     prefill=prefill, pd_settings=args.pd_settings())
+    if args.direct_streaming:
+        return engine  # every engine replica is an ingress (EngineIngress)
     # The ingress holds the clients' streams: it drains as long as the engine replicas do.
     return OpenAIIngress.options(num_replicas=args.ingress_replicas,
                                  graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s).bind(engine, args.model_dump(exclude_unset=True))
@@ -65,7 +68,14 @@ def _engine_deployment(args: AppArgs, name: str, role: str | None, router: str, 
     if "placement_group_bundles" in placement and args.placement_group_config.check_fits and ray.is_initialized():
         check_placement(placement["placement_group_bundles"], placement["placement_group_strategy"])
     worker_bundle = placement["placement_group_bundles"][-1] if "placement_group_bundles" in placement else None
-    return LLMServer.options(
+    if args.direct_streaming:
+        deployment, extra["args"] = EngineIngress, args.model_dump(exclude_unset=True)
+        # Past max_queued_requests Serve answers direct HTTP requests itself: the status and Retry-After
+        # OpenAIIngress gives when the engine replicas' queues are full (serve_app/errors.py).
+        extra_options = {"backpressure_config": BackpressureConfig(status_code=503, retry_after_s=1)}
+    else:
+        deployment, extra_options = LLMServer, {}
+    return deployment.options(
         name=name,
         **({"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": num_replicas}),
         max_ongoing_requests=args.max_ongoing_requests,
@@ -73,5 +83,6 @@ def _engine_deployment(args: AppArgs, name: str, role: str | None, router: str, 
         graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
         request_router_config=router_config,
         **placement,
+        **extra_options,
     ).bind(engine_config.model_dump(mode="json"), args.name, args.tracing.model_dump(),
            StreamPacing(args.stream_coalesce_cpu_utilization, args.stream_coalesce_interval_s), worker_bundle, **extra)

@@ -92,6 +92,13 @@ class AppArgs(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig fields (all but model).")
     num_replicas: int = Field(1, ge=1, description="Engine replicas (LLMServer), when not autoscaling.")
     ingress_replicas: int = Field(1, ge=1, description="Ingress replicas (OpenAIIngress).")
+    direct_streaming: bool = Field(
+        False, description="Each engine replica serves clients itself (HTTP and the DeploymentHandle API), with "
+        "no ingress deployment: a request and each stream message cross two processes fewer (Ray Serve LLM's direct "
+        "streaming; serve_app/engine_ingress.py). Behind HAProxy (`make run`) HAProxy spreads HTTP requests over the "
+        "replicas by least connections, so the router must be pow2 or round_robin (it routes handle calls). Not "
+        "with disaggregation, ingress_replicas or runtime LoRA loading (each replica would keep its own registry).",
+    )
     max_ongoing_requests: int = Field(256, ge=1, description="Requests in flight per engine replica.")
     max_queued_requests: int = Field(
         1024, ge=-1, description="Requests an ingress holds for busy engine replicas (all at "
@@ -190,6 +197,20 @@ class AppArgs(BaseModel):
                              "from it what the chosen prefill replica caches, and fetches the KV from that replica)")
         for role in ("prefill", "decode"):
             self.engine_config(role)  # fails naming the engine field
+        return self
+
+    @model_validator(mode="after")
+    def _check_direct_streaming(self) -> AppArgs:
+        if not self.direct_streaming:
+            return self
+        if self.router == "prefix":
+            raise ValueError("router: with direct_streaming, HAProxy (not the prefix router) picks the replica of "
+                             "each HTTP request; set router: pow2 or round_robin, or direct_streaming: false to "
+                             "route by prefix affinity")
+        for field in ("disaggregation", "ingress_replicas", "allow_runtime_lora_updating"):
+            if field in self.model_fields_set and getattr(self, field):
+                raise ValueError(f"{field}: not with direct_streaming (the engine replicas are the ingress); "
+                                 "set direct_streaming: false")
         return self
 
     @model_validator(mode="after")

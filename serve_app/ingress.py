@@ -1,4 +1,4 @@
-"""The ingress deployment: HTTP routes for clients, and the same operations as methods for Python callers
+"""The app's front: HTTP routes for clients, and the same operations as methods for Python callers
 holding a DeploymentHandle to the app (they take and return the same pydantic models as HTTP).
 
     handle = serve.get_app_handle("pagedserve").options(stream=True)
@@ -33,42 +33,29 @@ logger = logging.getLogger(__name__)
 _HEALTH_TIMEOUT_S = 5.0
 
 
-@serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024,
-                  graceful_shutdown_wait_loop_s=0.5)  # a drain ends within 0.5 s of its last stream
-@serve.ingress()
-class OpenAIIngress:
-    def __init__(self, engine: DeploymentHandle, args: dict) -> None:
-        self.args = AppArgs.model_validate(args)
-        tracing.setup_tracing(self.args.tracing, {"pagedserve.component": "ingress", "gen_ai.request.model": self.args.name,
-                                                  "pagedserve.replica": replica_context.replica_id()})
+class OpenAIFrontend:
+    """What serves clients: the HTTP routes (http_api.py) and the same operations as methods for
+    DeploymentHandle callers, over an engine with LLMServer's `generate` (a handle, or this process's
+    engine). OpenAIIngress is one in front of the engine replicas; with AppArgs.direct_streaming every
+    engine replica is one itself (serve_app/engine_ingress.py)."""
+
+    def serve_clients(self, args: AppArgs, engine) -> None:
+        self.args = args
         # Requests go to the decode pool when prefill and decode are disaggregated: validate for its engines.
-        engine_config = self.args.engine_config("decode" if self.args.disaggregation else None)
+        engine_config = args.engine_config("decode" if args.disaggregation else None)
         self.processor = InputProcessor.from_config(engine_config)
-        self.engine = engine
         self.lora = None
-        if self.args.serves_lora:  # the adapters' registry: lora_modules, and runtime loads under lora_root
-            self.lora = LoRARegistry(self.args.name, self.processor.model_config, engine_config.max_lora_rank,
-                                     self.args.lora_modules, self.args.lora_root)
-        self.openai = OpenAIServing(self.processor, self.args.name, engine.options(stream=True),
-                                    self.args.tool_call_parser, self.lora)
+        if args.serves_lora:  # the adapters' registry: lora_modules, and runtime loads under lora_root
+            self.lora = LoRARegistry(args.name, self.processor.model_config, engine_config.max_lora_rank,
+                                     args.lora_modules, args.lora_root)
+        self.openai = OpenAIServing(self.processor, args.name, engine, args.tool_call_parser, self.lora)
         self.anthropic = AnthropicServing(self.openai)
         self.extra_routes = [lambda app: add_routes(app, self.anthropic)]
-        if self.args.allow_runtime_lora_updating:
+        if args.allow_runtime_lora_updating:
             self.extra_routes.append(lambda app: lora_routes.add_routes(app, self.lora))
 
     def __serve_build_asgi_app__(self):
         return build_http_app(self)
-
-    def __del__(self) -> None:
-        tracing.flush()  # Serve calls this once the replica's requests are done
-
-    async def engine_healthy(self) -> bool:
-        """Every engine replica answers healthy in time (Serve replaces one that does not)."""
-        try:
-            results = await asyncio.wait_for(self.engine.broadcast("is_healthy").results_async(), _HEALTH_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - any failure to answer is unhealthy
-            return False
-        return bool(results) and all(results)
 
     # --- Python API (DeploymentHandle) ----------------------------------------------------------------
 
@@ -93,6 +80,29 @@ class OpenAIIngress:
             result = await self.anthropic.messages(request)
             async for item in _as_stream(result, request.stream):
                 yield item
+
+
+@serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024,
+                  graceful_shutdown_wait_loop_s=0.5)  # a drain ends within 0.5 s of its last stream
+@serve.ingress()
+class OpenAIIngress(OpenAIFrontend):
+    def __init__(self, engine: DeploymentHandle, args: dict) -> None:
+        args = AppArgs.model_validate(args)
+        tracing.setup_tracing(args.tracing, {"pagedserve.component": "ingress", "gen_ai.request.model": args.name,
+                                             "pagedserve.replica": replica_context.replica_id()})
+        self.engine = engine
+        self.serve_clients(args, engine.options(stream=True))
+
+    def __del__(self) -> None:
+        tracing.flush()  # Serve calls this once the replica's requests are done
+
+    async def engine_healthy(self) -> bool:
+        """Every engine replica answers healthy in time (Serve replaces one that does not)."""
+        try:
+            results = await asyncio.wait_for(self.engine.broadcast("is_healthy").results_async(), _HEALTH_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - any failure to answer is unhealthy
+            return False
+        return bool(results) and all(results)
 
 
 async def _as_stream(result, stream: bool):

@@ -26,6 +26,7 @@ def test_config_is_valid(path):
         assert builder.__annotations__["args"] is AppArgs  # a class, not a string: Ray validates args with it
         names = {d.name for d in app.deployments}
         assert names <= {"LLMServer", "PrefillServer", "DecodeServer", "OpenAIIngress"}, names
+        assert not (args.direct_streaming and "OpenAIIngress" in names), "direct_streaming apps have no ingress deployment"
         assert args.engine_config().model == args.model
 
 
@@ -59,6 +60,16 @@ def test_bad_args_name_the_field():
         AppArgs.model_validate({"router": "random"})
     with pytest.raises(ValueError, match="num_replcas"):
         AppArgs.model_validate({"num_replcas": 2})
+
+
+def test_direct_streaming_refuses_what_it_cannot_serve():
+    assert AppArgs(router="pow2", direct_streaming=True).direct_streaming
+    with pytest.raises(ValueError, match="router: with direct_streaming"):
+        AppArgs(direct_streaming=True)  # the prefix router would not see HTTP requests
+    with pytest.raises(ValueError, match="ingress_replicas"):
+        AppArgs(router="pow2", direct_streaming=True, ingress_replicas=2)
+    with pytest.raises(ValueError, match="allow_runtime_lora_updating"):
+        AppArgs(router="pow2", direct_streaming=True, allow_runtime_lora_updating=True, lora_root="/tmp")
 
 
 # --- API keys from the environment (a Kubernetes Secret mounted as env: k8s/rayservice-gpu.yaml) -------------

@@ -1,0 +1,91 @@
+"""direct_streaming: the engine replica is the app's ingress (serve_app/engine_ingress.py). The same
+routes, errors, disconnect handling and handle API as with OpenAIIngress in front, without it."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from serve_app.protocol.openai import ChatCompletionRequest, ChatCompletionResponse
+from tests.serve_app.conftest import wait_for
+
+APP = "direct"
+
+
+@pytest.fixture(scope="module")
+def direct_url(deploy_app) -> str:
+    return deploy_app(APP, "/direct", model="pagedserve-tiny", num_replicas=1, router="pow2", direct_streaming=True)
+
+
+@pytest.fixture(scope="module")
+def direct_engine(direct_url):
+    from ray import serve
+
+    return serve.get_deployment_handle("LLMServer", app_name=APP)
+
+
+def test_only_the_engine_deployment_runs(direct_url):
+    from ray import serve
+
+    assert set(serve.status().applications[APP].deployments) == {"LLMServer"}
+
+
+def test_stream_matches_non_stream(direct_url):
+    body = {"prompt": "The direct path", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(direct_url + "/v1/completions", json=body, timeout=60).json()
+    events = []
+    with httpx.stream("POST", direct_url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text = "".join(c["text"] for e in events[:-1] for c in json.loads(e)["choices"])
+    assert text == whole["choices"][0]["text"] and whole["usage"]["completion_tokens"] == 12
+
+
+def test_chat_and_messages_routes(direct_url):
+    chat = httpx.post(direct_url + "/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}).json()
+    assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] <= 4
+    message = httpx.post(direct_url + "/v1/messages", timeout=60,
+                         json={"model": "pagedserve-tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
+    assert message.status_code == 200 and message.json()["type"] == "message"
+    assert httpx.get(direct_url + "/health", timeout=10).status_code == 200
+
+
+def test_bad_request_is_an_openai_error_and_restarts_nothing(direct_url, direct_engine):
+    replica = direct_engine.identity.remote().result()
+    r = httpx.post(direct_url + "/v1/completions", json={"prompt": "x", "temperature": -1}, timeout=30)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "temperature" and error["type"] == "invalid_request_error"
+    assert direct_engine.identity.remote().result() == replica
+
+
+def _idle(engine) -> bool:
+    s = engine.stats.remote().result()
+    return s.num_running == 0 and s.num_waiting == 0 and s.kv_cache_usage == 0
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(direct_url, direct_engine):
+    wait_for(lambda: _idle(direct_engine))
+    before = direct_engine.stats.remote().result().generation_tokens
+    body = {"prompt": "keep going", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", direct_url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert any(next(lines).startswith("data: {") for _ in range(6))
+    wait_for(lambda: _idle(direct_engine), timeout=20)
+    assert direct_engine.stats.remote().result().generation_tokens - before < 900
+
+
+def test_handle_api(direct_url):
+    from ray import serve
+
+    handle = serve.get_app_handle(APP).options(stream=True)
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0,
+                                    ignore_eos=True)
+    [response] = list(handle.chat.remote(request))
+    assert isinstance(response, ChatCompletionResponse) and response.usage.completion_tokens == 5
+    chunks = list(handle.chat.remote(request.model_copy(update={"stream": True})))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == response.choices[0].message.content
