@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8570)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="write the best args: section here")
-    ap.add_argument("--only", nargs="+", choices=["layout", "max_num_seqs", "max_num_batched_tokens", "stream"],
+    ap.add_argument("--only", nargs="+", choices=[name for name, _ in dimensions(1)],
                     help="search these dimensions only (the others keep --config's values)")
     opts = ap.parse_args()
 
