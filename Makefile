@@ -30,16 +30,19 @@ run: install
 	$(SERVE_ENV) $(BIN)/python -m serve_app.run configs/default.yaml
 
 # The suite serves HTTP as `make run` does (HAProxy); then the proxy path of a plain `serve run` (Ray's
-# proxy actor) is checked with a representative few: streaming, every error status and a disconnect. The
-# API-key (401) and overload (429) checks, which need an app of their own, run in the main pass only: their
-# answers come from our ingress and cross the proxy like the other error statuses checked here.
+# proxy actor) is checked with a representative few: streaming, every error status and a disconnect, through
+# the ingress and straight to an engine replica (direct_streaming). The API-key (401) and overload (429)
+# checks, which need an app of their own, run in the main pass only: their answers come from our ingress and
+# cross the proxy like the other error statuses checked here.
 PROXY_TESTS := tests/serve_app/test_errors.py \
 	--deselect tests/serve_app/test_errors.py::test_api_keys \
 	--deselect tests/serve_app/test_errors.py::test_overload_is_429_with_retry_after \
 	tests/serve_app/test_disconnect_and_handle.py::test_disconnect_mid_stream_aborts_and_frees_blocks \
 	tests/serve_app/test_openai_api.py::test_http_arrives_the_way_the_session_was_started \
 	tests/serve_app/test_openai_api.py::test_completion_stream_matches_non_stream \
-	tests/serve_app/test_openai_api.py::test_chat tests/serve_app/test_openai_api.py::test_n_and_seed
+	tests/serve_app/test_openai_api.py::test_chat tests/serve_app/test_openai_api.py::test_n_and_seed \
+	tests/serve_app/test_direct_streaming.py::test_stream_matches_non_stream \
+	tests/serve_app/test_direct_streaming.py::test_disconnect_mid_stream_aborts_and_frees_blocks
 
 # --durations: the slowest tests in CI's log, to keep the suite's time in view (its budget is 15 minutes on 2 cores).
 test: install

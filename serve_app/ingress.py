@@ -36,8 +36,8 @@ _HEALTH_TIMEOUT_S = 5.0
 class OpenAIFrontend:
     """What serves clients: the HTTP routes (http_api.py) and the same operations as methods for
     DeploymentHandle callers, over an engine with LLMServer's `generate` (a handle, or this process's
-    engine). OpenAIIngress is one in front of the engine replicas; with AppArgs.direct_streaming every
-    engine replica is one itself (serve_app/engine_ingress.py)."""
+    engine); a subclass answers `engine_healthy()` for /health. OpenAIIngress is one in front of the engine
+    replicas; with AppArgs.direct_streaming every engine replica is one itself (serve_app/engine_ingress.py)."""
 
     def serve_clients(self, args: AppArgs, engine) -> None:
         self.args = args
