@@ -66,6 +66,8 @@ def test_direct_streaming_refuses_what_it_cannot_serve():
     assert AppArgs(router="pow2", direct_streaming=True).direct_streaming
     with pytest.raises(ValueError, match="router: with direct_streaming"):
         AppArgs(direct_streaming=True)  # the prefix router would not see HTTP requests
+    with pytest.raises(ValueError, match="not the round_robin router"):
+        AppArgs(router="round_robin", direct_streaming=True)  # Serve refuses a custom router behind HAProxy
     with pytest.raises(ValueError, match="ingress_replicas"):
         AppArgs(router="pow2", direct_streaming=True, ingress_replicas=2)
     with pytest.raises(ValueError, match="allow_runtime_lora_updating"):
