@@ -19,11 +19,12 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# Ray Serve's settings for the app (serve_app/app.py, SERVE_ENV, says why each): HAProxy in front of the
-# ingress replicas instead of Ray's proxy actor, a 1 s deregistration window for a stopping ingress, and
-# one event loop per replica process.
+# Ray Serve's settings for the app (serve_app/serve_env.py says why each): HAProxy in front of the
+# ingress replicas instead of Ray's proxy actor, a 1 s deregistration window for a stopping ingress, one
+# event loop per replica process, and request bodies (up to 64 KiB) for the prefix router of direct streaming.
 SERVE_ENV := RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=1 \
-	RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0
+	RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 \
+	RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1 RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE=65536
 
 # serve_app/run.py is `serve run` with a Ctrl-C that drains the streams in flight before the proxies go.
 run: install

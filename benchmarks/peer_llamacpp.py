@@ -237,7 +237,7 @@ def main() -> None:
         print(f"  offline engine: {offline:.0f} tok/s", flush=True)
 
     if args.baseline and args.only != "llamacpp":
-        from serve_app.app import HAPROXY_INGRESS_ENV
+        from serve_app.serve_env import HAPROXY_INGRESS_ENV
 
         with serve_process.serve_run(config, args.port, root=args.baseline, base_env=HAPROXY_INGRESS_ENV) as app:
             rows += measure(f"pagedserve app before ({args.baseline.name})",

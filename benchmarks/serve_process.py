@@ -1,5 +1,5 @@
 """The app as `make run` starts it, for benchmarks: `serve run <config>` in a process of its own (a fresh
-local Ray: RAY_ADDRESS=local), HTTP through HAProxy (serve_app.app.SERVE_ENV), at a port of our choosing.
+local Ray: RAY_ADDRESS=local), HTTP through HAProxy (serve_app/serve_env.py), at a port of our choosing.
 The client then runs in another process, as a real one would.
 
     with serve_run(load_config("configs/bench-56m.yaml"), port=8300) as app:
@@ -92,7 +92,7 @@ class ServeApp:
 
 
 def serve_env(extra: dict[str, str] | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
-    from serve_app.app import SERVE_ENV
+    from serve_app.serve_env import SERVE_ENV
 
     base = SERVE_ENV if base is None else base
     return {**os.environ, **base, "RAY_ADDRESS": "local", **(extra or {})}  # a fresh local Ray, never another's

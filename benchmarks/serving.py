@@ -72,7 +72,8 @@ def bench_serve(args, requests, tracing: dict | None = None, name: str = "Ray Se
     import ray
     from ray import serve
 
-    from serve_app.app import HAPROXY_INGRESS_ENV, SERVE_ENV, build_app
+    from serve_app.app import build_app
+    from serve_app.serve_env import HAPROXY_INGRESS_ENV, SERVE_ENV
 
     saved_env = {k: os.environ.get(k) for k in SERVE_ENV}
     os.environ.update(SERVE_ENV if haproxy else {**SERVE_ENV, **{k: "0" for k in HAPROXY_INGRESS_ENV}})

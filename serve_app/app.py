@@ -6,6 +6,7 @@ serve_app.app:build_app` with `args:` in a config file (configs/default.yaml).""
 
 import ray
 from ray.serve import Application
+from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from serve_app.app_args import ROUTERS, AppArgs
@@ -13,29 +14,8 @@ from serve_app.engine_ingress import EngineIngress
 from serve_app.ingress import OpenAIIngress
 from serve_app.llm_server import LLMServer, StreamPacing
 from serve_app.placement import check_placement
+from serve_app.routing.ingress_router import IngressRouter
 
-# Serve through HAProxy (Ray Serve 2.60's direct ingress) rather than Ray's Python proxy actor: HAProxy
-# takes the HTTP port and hands each connection to an ingress replica's own HTTP server, where the proxy
-# actor relays every request, its body (a call back from the ingress) and each streamed message through
-# one more Python process. On 2 cores that took 7.6% of the app's CPU and added ~100 ms to TTFT p50
-# under load (benchmarks/results/serving.md). Every Ray process reads these at start: set them in the
-# environment before Ray starts (`make run` does).
-HAPROXY_INGRESS_ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
-
-# Everything `make run` sets for Ray Serve (the Makefile's SERVE_ENV must say the same; a test checks):
-# - HAProxy in front (above).
-# - A stopping ingress replica stays reachable for RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S before it
-#   stops, so that an external load balancer can deregister it; Ray's default, 30 s, is what made Ctrl-C on
-#   an idle `make run` take ~30 s. Here the only balancer is Serve's own HAProxy, which the controller
-#   updates within ~0.1 s and which retries a refused connection elsewhere, so 1 s is plenty. Streams in
-#   flight are still drained, up to graceful_shutdown_timeout_s.
-# - One event loop per replica process: by default Serve runs user code on a thread and event loop of its
-#   own, and the handle's router on another, so every streamed message hopped threads (a wake-up through a
-#   self-pipe and a GIL hand-off) once in the engine replica and twice in the ingress. Measured on 2 cores
-#   under load (benchmarks/peer_llamacpp.py --env ...): 20-22% less CPU per request in the ingress and in
-#   the engine replica. Our code never blocks its loop (format compiles go to a worker thread).
-SERVE_ENV = {**HAPROXY_INGRESS_ENV, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
-             "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
 def build_app(args: AppArgs) -> Application:
@@ -47,8 +27,13 @@ def build_app(args: AppArgs) -> Application:
         prefill = _engine_deployment(args, "PrefillServer", "prefill", args.router, args.router_kwargs)
         engine = _engine_deployment(args, "DecodeServer", "decode", "prefix", {"affinity": False},
                                     prefill=prefill, pd_settings=args.pd_settings())
-    if args.direct_streaming:
-        return engine  # every engine replica is an ingress (EngineIngress)
+    if args.direct_streaming:  # every engine replica is an ingress (EngineIngress)
+        if args.router == "prefix":  # HAProxy asks IngressRouter which replica takes each request
+            if not RAY_SERVE_ENABLE_HA_PROXY:
+                raise ValueError("router: prefix with direct_streaming needs HAProxy in front (serve_app/serve_env.py, "
+                                 "as `make run` sets it); set router: pow2, or direct_streaming: false")
+            return engine._with_ingress_request_router(IngressRouter.bind(engine, args.model_dump(exclude_unset=True)))
+        return engine
     # The ingress holds the clients' streams: it drains as long as the engine replicas do.
     return OpenAIIngress.options(num_replicas=args.ingress_replicas,
                                  graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s).bind(engine, args.model_dump(exclude_unset=True))

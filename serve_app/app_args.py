@@ -95,10 +95,10 @@ class AppArgs(BaseModel):
     direct_streaming: bool = Field(
         False, description="Each engine replica serves clients itself (HTTP and the DeploymentHandle API), with "
         "no ingress deployment: a request and each stream message cross two processes fewer (Ray Serve LLM's direct "
-        "streaming; serve_app/engine_ingress.py). Behind HAProxy (`make run`) HAProxy spreads HTTP requests over the "
-        "replicas by least connections and Serve refuses a router of our own there, so the router must be pow2 (it "
-        "routes handle calls). Not with disaggregation, ingress_replicas or runtime LoRA loading (each replica would "
-        "keep its own registry).",
+        "streaming; serve_app/engine_ingress.py). With router pow2, HAProxy spreads HTTP requests over the replicas "
+        "by least connections; with prefix, HAProxy asks an IngressRouter deployment where each goes "
+        "(serve_app/routing/ingress_router.py; needs HAProxy, as `make run` serves). Not with round_robin, "
+        "disaggregation, ingress_replicas or runtime LoRA loading (each replica would keep its own registry).",
     )
     max_ongoing_requests: int = Field(256, ge=1, description="Requests in flight per engine replica.")
     max_queued_requests: int = Field(
@@ -204,9 +204,9 @@ class AppArgs(BaseModel):
     def _check_direct_streaming(self) -> AppArgs:
         if not self.direct_streaming:
             return self
-        if self.router != "pow2":
-            raise ValueError(f"router: with direct_streaming, HAProxy (not the {self.router} router) picks the replica "
-                             "of each HTTP request; set router: pow2, or direct_streaming: false to route with it")
+        if self.router == "round_robin":  # Serve refuses a custom router on a deployment HAProxy balances over
+            raise ValueError("router: round_robin is not offered with direct_streaming; set router: pow2 or prefix, "
+                             "or direct_streaming: false")
         for field in ("disaggregation", "ingress_replicas", "allow_runtime_lora_updating"):
             if field in self.model_fields_set and getattr(self, field):
                 raise ValueError(f"{field}: not with direct_streaming (the engine replicas are the ingress); "

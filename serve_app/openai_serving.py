@@ -261,7 +261,7 @@ class OpenAIServing:
 
     # --- /v1/completions ----------------------------------------------------------------------------
 
-    async def _completion_prompts(self, req: CompletionRequest) -> list[_Prompt]:
+    async def completion_prompts(self, req: CompletionRequest) -> list[_Prompt]:
         prompt = req.prompt
         if isinstance(prompt, str):
             items = [prompt]
@@ -281,7 +281,7 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[CompletionResponse]:
         """Validates everything first (raising APIError), then returns the response or a chunk stream."""
         self.check_model(req.model)
-        prompts = await self._completion_prompts(req)
+        prompts = await self.completion_prompts(req)
         so = await self.structured_outputs(req)
         request_id = req.request_id or new_id("cmpl")
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY

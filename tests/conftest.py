@@ -3,6 +3,7 @@ that our loader is tested against the real on-disk format."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,6 +13,13 @@ import pytest
 import torch
 
 from engine.models.builtin import materialize_builtin
+from serve_app.serve_env import HAPROXY_INGRESS_ENV
+
+# Ray Serve reads its flags once, when a process imports it. A session serving through HAProxy (as `make run`
+# does; tests/serve_app/conftest.py) builds its apps in this process, which must know HAProxy is in front (an
+# app whose ingress request router HAProxy consults is refused otherwise): set before any test imports Ray.
+if os.environ.get("PAGEDSERVE_TEST_INGRESS", "haproxy") == "haproxy":
+    os.environ.update(HAPROXY_INGRESS_ENV)
 
 if TYPE_CHECKING:
     from engine import LLM

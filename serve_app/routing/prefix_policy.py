@@ -176,6 +176,16 @@ class PrefixRouterPolicy:
         self._in_flight.setdefault(replica_id, deque()).append((now, hashes))
         self._in_flight_blocks.setdefault(replica_id, Counter()).update(hashes)
 
+    def record_sent(self, block_hashes: list[int], replica_id: str, now: float, adapter: str | None = None) -> None:
+        """`record` for a request that reached the replica without Serve (HAProxy forwarded it after the
+        ingress request router picked it: serve_app/routing/ingress_router.py), so that nobody reports its end:
+        it counts as in flight until a report taken after it is trusted to show it, max_stats_age_s later."""
+        self.record(block_hashes, replica_id, now, adapter)
+        horizon = now - self.config.max_stats_age_s
+        for replica, sent in self._in_flight.items():
+            while sent and sent[0][0] < horizon:
+                self.complete(replica)
+
     def complete(self, replica_id: str) -> None:
         """One of this router's requests to `replica_id` ended. Serve does not say which, so the oldest
         is taken: a mismatch only swaps which of two prompts sent there still counts as held."""

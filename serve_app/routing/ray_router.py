@@ -16,6 +16,11 @@ from serve_app.engine_request import EngineRequest
 from serve_app.routing.prefix_policy import PrefixRouterConfig, PrefixRouterPolicy, ReplicaLoad
 
 
+# choose_replica's keyword when the caller only picks and HAProxy forwards the request (IngressRouter):
+# Serve will not report the request's end, so the policy ages it out instead (PrefixRouterPolicy.record_sent).
+SENT_OUT_OF_BAND = "sent_out_of_band"
+
+
 class PrefixRouter(RequestRouter):
     def initialize_state(self, **kwargs) -> None:
         """`request_router_kwargs` are PrefixRouterConfig fields."""
@@ -68,6 +73,8 @@ class PrefixRouter(RequestRouter):
                 "pagedserve.route.source": decision.source, "pagedserve.route.prompt_blocks": len(hashes),
                 "pagedserve.route.lora": adapter or "",
             }).end()
+        if pending_request is not None and pending_request.kwargs.get(SENT_OUT_OF_BAND) and decision.ranked:
+            self.policy.record_sent(hashes, decision.ranked[0], now, adapter)  # a pick-only caller takes the first
         return [[by_id[rid]] for rid in decision.ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:

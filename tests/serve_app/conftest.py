@@ -22,7 +22,7 @@ BASE_URL = f"http://127.0.0.1:{HTTP_PORT}"
 # (the suite and a developer's `make run`, two test sessions) would collide. Derive them from HTTP_PORT.
 HAPROXY_PORTS_ENV = {"RAY_SERVE_HAPROXY_STATS_PORT": str(HTTP_PORT + 1404),
                      "RAY_SERVE_HAPROXY_METRICS_PORT": str(HTTP_PORT + 2101)}
-# How HTTP reaches the app: "haproxy" as `make run` serves it (serve_app.app.SERVE_ENV), or
+# How HTTP reaches the app: "haproxy" as `make run` serves it (serve_app/serve_env.py), or
 # "proxy", Ray's proxy actor, as a plain `serve run` does. `make test` runs the HTTP tests in both.
 INGRESS = os.environ.get("PAGEDSERVE_TEST_INGRESS", "haproxy")
 if INGRESS not in ("haproxy", "proxy"):
@@ -46,7 +46,7 @@ def ray_session():
     import ray
     from ray import serve
 
-    from serve_app.app import SERVE_ENV
+    from serve_app.serve_env import SERVE_ENV
 
     if INGRESS == "haproxy":
         os.environ.update({**SERVE_ENV, **HAPROXY_PORTS_ENV})

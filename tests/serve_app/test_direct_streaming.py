@@ -4,12 +4,13 @@ routes, errors, disconnect handling and handle API as with OpenAIIngress in fron
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
 
 from serve_app.protocol.openai import ChatCompletionRequest, ChatCompletionResponse
-from tests.serve_app.conftest import wait_for
+from tests.serve_app.conftest import INGRESS, wait_for
 
 APP = "direct"
 
@@ -89,3 +90,29 @@ def test_handle_api(direct_url):
     assert isinstance(response, ChatCompletionResponse) and response.usage.completion_tokens == 5
     chunks = list(handle.chat.remote(request.model_copy(update={"stream": True})))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == response.choices[0].message.content
+
+
+@pytest.mark.skipif(INGRESS != "haproxy", reason="HAProxy asks the ingress request router; Ray's proxy has none")
+def test_prefix_router_picks_the_replica_through_haproxy(deploy_app):
+    """Behind HAProxy alone, requests spread over the replicas by least connections; with router: prefix,
+    IngressRouter sends every prompt with the same long prefix to the replica that holds it."""
+    from ray import serve
+
+    url = deploy_app("direct-prefix", "/direct-prefix", model="pagedserve-tiny", num_replicas=2, router="prefix",
+                     direct_streaming=True)
+    assert set(serve.status().applications["direct-prefix"].deployments) == {"LLMServer", "IngressRouter"}
+    engine = serve.get_deployment_handle("LLMServer", app_name="direct-prefix")
+    before = [s.num_requests_finished for s in engine.broadcast("stats").results()]
+    shared = " ".join(f"rule {i}: answer briefly and cite the handbook." for i in range(40))
+    for i in range(6):
+        r = httpx.post(url + "/v1/completions", timeout=60,
+                       json={"prompt": f"{shared} Question {i}?", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        # Nobody tells the router that a request HAProxy forwarded has ended: until the replica's next
+        # report (every second) it counts as queued there, and a queue would let the other replica win.
+        time.sleep(1.2)
+    after = [s.num_requests_finished for s in engine.broadcast("stats").results()]
+    assert sorted(a - b for a, b in zip(after, before)) == [0, 6]
+    # A body the router cannot read is routed by load, and the replica answers its error.
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "temperature": -1}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"

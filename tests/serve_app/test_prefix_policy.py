@@ -190,3 +190,22 @@ def test_lora_routing_remembers_where_it_sent_an_adapter_until_a_newer_report():
     newer = [ReplicaLoad(r.replica_id, adapters=frozenset(), stats_age_s=0.1) for r in fresh]
     assert policy.route(short, newer, 12.0, adapter="sql").reason == "short_prompt"
     assert not policy.holds_adapter(newer[0 if first == "a" else 1], "sql", 12.0)  # evicted since, per the report
+
+
+def test_sends_nobody_completes_count_as_queued_until_a_later_report_can_show_them():
+    # The ingress request router only picks (HAProxy forwards the request): record_sent, never complete.
+    policy = PrefixRouterPolicy(PrefixRouterConfig(block_size=BS))
+    fresh = {rid: ReplicaLoad(rid, stats_age_s=0.5, cached_blocks=frozenset()) for rid in ("a", "b")}
+    first = policy.route(prompt(1, 0), list(fresh.values()), now=100.0).ranked[0]
+    for i in range(3):  # sent since the last report: queued there, so the prefix spills at last
+        policy.record_sent(prompt(1, i), first, now=100.0 + 0.1 * i)
+    assert policy.route(prompt(1, 9), list(fresh.values()), now=100.3).ranked[0] != first
+    # A report taken after them shows what is left of them; they no longer count, and affinity wins again.
+    assert policy.route(prompt(1, 9), list(fresh.values()), now=101.5).ranked[0] == first
+    # Past max_stats_age_s they are dropped, not kept in flight forever: with no reports at all, only the later
+    # send to the other replica still counts.
+    other = "b" if first == "a" else "a"
+    unreported = [ReplicaLoad(rid, stats_age_s=float("inf")) for rid in ("a", "b")]
+    assert policy.route(prompt(3, 0, prefix_blocks=0), unreported, now=101.0).ranked[0] == other
+    policy.record_sent(prompt(2, 0), other, now=100.0 + policy.config.max_stats_age_s + 1)
+    assert policy.route(prompt(3, 0, prefix_blocks=0), unreported, now=106.5).ranked[0] == first

@@ -22,7 +22,7 @@ import httpx
 import pytest
 import yaml
 
-from serve_app.app import SERVE_ENV
+from serve_app.serve_env import SERVE_ENV
 from tests.serve_app.conftest import HAPROXY_PORTS_ENV, HTTP_PORT
 
 ROOT = Path(__file__).resolve().parents[2]
