@@ -124,3 +124,27 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.1):
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         time.sleep(interval)
+
+
+def engine_idle(engine) -> bool:
+    """No replica of `engine` (a DeploymentHandle to the engine deployment) runs, queues or holds KV."""
+    stats = engine.broadcast("stats").results()
+    return all(s.num_running == 0 and s.num_waiting == 0 and s.kv_cache_usage == 0 for s in stats)
+
+
+def disconnect_mid_stream(base_url: str, engine) -> None:
+    """A client reads a few events of a 900-token stream and goes away: whatever stands in front of the
+    engine cancels the request, the replica aborts it well before its 900 tokens, and its KV blocks go back
+    to the pool."""
+    import httpx
+
+    wait_for(lambda: engine_idle(engine))
+    before = sum(s.generation_tokens for s in engine.broadcast("stats").results())
+    body = {"prompt": "keep going", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        received = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in received)
+    wait_for(lambda: engine_idle(engine), timeout=20)
+    assert sum(s.generation_tokens for s in engine.broadcast("stats").results()) - before < 900

@@ -2,30 +2,12 @@
 
 from __future__ import annotations
 
-import httpx
-
 from serve_app.protocol.openai import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse
-from tests.serve_app.conftest import APP, wait_for
-
-
-def _idle(engine_handle) -> bool:
-    stats = engine_handle.broadcast("stats").results()
-    return all(s.num_running == 0 and s.num_waiting == 0 and s.kv_cache_usage == 0 for s in stats)
+from tests.serve_app.conftest import APP, disconnect_mid_stream
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(serve_app_url, engine_handle):
-    wait_for(lambda: _idle(engine_handle))
-    before = sum(s.generation_tokens for s in engine_handle.broadcast("stats").results())
-    body = {"prompt": "keep going", "max_tokens": 900, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", serve_app_url + "/v1/completions", json=body, timeout=60) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        received = [next(lines) for _ in range(6)]
-        assert any(line.startswith("data: {") for line in received)
-    # The connection is closed: the ingress cancels the handle call, the replica aborts the request,
-    # well before its 900 tokens, and its KV blocks go back to the pool.
-    wait_for(lambda: _idle(engine_handle), timeout=20)
-    assert sum(s.generation_tokens for s in engine_handle.broadcast("stats").results()) - before < 900
+    disconnect_mid_stream(serve_app_url, engine_handle)  # through the ingress, which cancels its handle call
 
 
 def test_handle_chat_and_completions():
