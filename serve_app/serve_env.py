@@ -6,8 +6,7 @@ it imports Ray). Kept free of Ray imports for that reason."""
 # takes the HTTP port and hands each connection to an ingress replica's own HTTP server, where the proxy
 # actor relays every request, its body (a call back from the ingress) and each streamed message through
 # one more Python process. On 2 cores that took 7.6% of the app's CPU and added ~100 ms to TTFT p50
-# under load (benchmarks/results/serving.md). Every Ray process reads these at start: set them in the
-# environment before Ray starts (`make run` does).
+# under load (benchmarks/results/serving.md).
 HAPROXY_INGRESS_ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 
 # Everything `make run` sets for Ray Serve (the Makefile's SERVE_ENV must say the same; a test checks):
