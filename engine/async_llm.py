@@ -41,6 +41,8 @@ class _Stream:
 
     loop: asyncio.AbstractEventLoop
     deltas: bool  # merge queued outputs (delta kind), or keep the latest (cumulative views)
+    prompt: str | None  # the engine process sends outputs without their prompt: _publish puts it back
+    prompt_token_ids: list[int]
     items: list = field(default_factory=list)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     finished: bool = False
@@ -183,7 +185,8 @@ class AsyncLLM:
         prepared = self.processor.prepare_request(prompt, params, request_id, priority=priority, cache_salt=cache_salt,
                                                   kv_transfer_params=kv_transfer_params,
                                                   lora_request=lora_request)
-        stream = _Stream(asyncio.get_running_loop(), deltas=params.output_kind is RequestOutputKind.DELTA)
+        stream = _Stream(asyncio.get_running_loop(), params.output_kind is RequestOutputKind.DELTA, prepared.prompt,
+                         prepared.prompt_token_ids)
         self._register(prepared, stream)
         try:
             while True:
@@ -296,6 +299,8 @@ class AsyncLLM:
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:
+                    if output.prompt_token_ids is None:
+                        output.prompt, output.prompt_token_ids = stream.prompt, stream.prompt_token_ids
                     by_loop.setdefault(stream.loop, []).append((stream, output))
         for loop, items in by_loop.items():
             _call_soon(loop, _deliver, items)

@@ -120,8 +120,18 @@ def run_engine_process(config: EngineConfig, rendezvous: Rendezvous | None, comm
         return commands.recv() if commands.poll(timeout) else None
 
     try:
-        run_engine_loop(engine, next_command, events.send)
+        run_engine_loop(engine, next_command, lambda event: events.send(_without_prompts(event)))
     except BaseException:  # noqa: BLE001 - reported as "dead" (or the parent is gone: nobody to tell)
         pass
     finally:
         engine.shutdown()
+
+
+def _without_prompts(event: Event) -> Event:
+    """Outputs leave the engine process without their prompt and its token ids: AsyncLLM has both (it put
+    them on the stream), and a step's outputs would otherwise carry every running prompt again. At 64
+    requests of 4k-token prompts that was 0.8 MB a step, 2 ms to pickle here and 6 ms to load there."""
+    if event[0] == "outputs":
+        for output in event[1]:
+            output.prompt = output.prompt_token_ids = None
+    return event

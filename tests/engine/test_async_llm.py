@@ -274,6 +274,11 @@ def test_engine_in_its_own_process():
     async def run():
         outs = await _collect(llm, "from another process", GREEDY)
         assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 24
+        # Outputs cross the pipe without their prompt; each delta still carries it, as in-process.
+        prompt_ids = llm.tokenizer.encode("from another process")
+        assert all(o.prompt == "from another process" and o.prompt_token_ids == prompt_ids for o in outs)
+        outs = await _collect(llm, [1, 7, 9], GREEDY)
+        assert all(o.prompt is None and o.prompt_token_ids == [1, 7, 9] for o in outs)
         with pytest.raises(ValueError, match="prompt"):
             await _collect(llm, [1, 10**9], GREEDY)
         gen = llm.generate("abort me", SamplingParams(max_tokens=200, ignore_eos=True), request_id="x")
