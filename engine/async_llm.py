@@ -5,6 +5,7 @@ The step loop (engine/engine_core.py) runs off the event loop: on a thread of th
 never touch engine state: `generate` validates and tokenizes on the caller's thread, then hands the
 request to the loop as a command; outputs come back once per step, and reach each event loop with one
 `call_soon_threadsafe`. A stream whose consumer lags gets its deltas merged, never one message per token.
+From an engine process, a delta stream's tokens come without their text, which is decoded here (_StreamText).
 
 Failure model: a request that fails on its own (while sampling it, say) ends with RequestFailedError and
 the engine goes on; an error the engine cannot pin on requests is fatal: every in-flight stream fails
@@ -19,9 +20,12 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_core import run_engine_loop, run_engine_process
 from engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from engine.executor import Rendezvous, WorkerLauncher
@@ -47,6 +51,8 @@ class _Stream:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     finished: bool = False
 
+    text: _StreamText | None = None  # the engine process sends this stream's tokens without their text
+
     def put(self, item: RequestOutput | BaseException) -> None:
         self.items.append(item)
         self.ready.set()
@@ -59,7 +65,39 @@ class _Stream:
         error = next((i for i in items if isinstance(i, BaseException)), None)
         if error is not None:
             raise error
-        return merge_deltas(items) if self.deltas else items[-1]
+        output = merge_deltas(items) if self.deltas else items[-1]
+        if self.text is not None:
+            self.text.fill(output)
+        return output
+
+
+@dataclass
+class _StreamText:
+    """Text for a delta stream of the engine process, decoded here rather than there (as vLLM V1 does): off
+    the step loop, which every request waits on, and once per message the consumer takes, so that tokens
+    that queued up meanwhile decode in one window. Only for requests without stop strings: the engine
+    needs the text that a stop string would end."""
+
+    tokenizer: PreTrainedTokenizerBase
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: dict[int, IncrementalDetokenizer] = field(default_factory=dict)  # by CompletionOutput.index
+
+    @staticmethod
+    def applies(params: SamplingParams) -> bool:
+        return params.detokenize and not params.stop and params.output_kind is RequestOutputKind.DELTA
+
+    def fill(self, output: RequestOutput) -> None:
+        for sample in output.outputs:
+            detokenizer = self.samples.get(sample.index)
+            if detokenizer is None:
+                detokenizer = self.samples[sample.index] = IncrementalDetokenizer(
+                    self.tokenizer, self.prompt_token_ids, self.params.skip_special_tokens)
+            token_ids = sample.token_ids
+            if sample.finish_reason == "stop" and not self.params.include_stop_str_in_output:
+                token_ids = token_ids[:-1]  # the EOS or stop token itself is not text (as OutputProcessor)
+            detokenizer.update(token_ids, check_stop=False, final=sample.finished)
+            sample.text = detokenizer.get_delta(sample.finished)
 
 
 class AsyncLLM:
@@ -187,6 +225,9 @@ class AsyncLLM:
                                                   lora_request=lora_request)
         stream = _Stream(asyncio.get_running_loop(), params.output_kind is RequestOutputKind.DELTA, prepared.prompt,
                          prepared.prompt_token_ids)
+        if self.engine is None and _StreamText.applies(params):
+            stream.text = _StreamText(self.tokenizer, prepared.prompt_token_ids, params)
+            prepared = replace(prepared, params=params.model_copy(update={"detokenize": False}))
         self._register(prepared, stream)
         try:
             while True:

@@ -64,6 +64,11 @@ class IncrementalDetokenizer:
         """Append tokens' text; returns the stop string that ended the text, if any (the text is then
         truncated at it, keeping it when include_stop_str_in_output). `final` flushes a trailing
         incomplete character as U+FFFD, as a one-shot decode would."""
+        if not (check_stop and self.stop):  # no stop string to place between tokens: one window for them all
+            self._tokens.extend(new_token_ids)
+            if new_token_ids or final:
+                self.output_text += self._next_piece(final)
+            return None
         pieces = [self._tokens.append(t) or self._next_piece(final=False) for t in new_token_ids]
         if final:
             pieces.append(self._next_piece(final=True))

@@ -264,14 +264,39 @@ def test_stats_snapshot(llm):
     asyncio.run(run())
 
 
-def test_engine_in_its_own_process():
+def _texts(outs) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for out in outs:
+        for c in out.outputs:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    return texts
+
+
+def test_engine_in_its_own_process(llm):
     import os
     import signal
 
-    llm = AsyncLLM(EngineConfig(model=TINY, max_model_len=256, multiprocess=True))
+    in_thread, llm = llm, AsyncLLM(EngineConfig(model=TINY, max_model_len=256, multiprocess=True))
     assert llm.engine is None and llm._process.is_alive()
 
     async def run():
+        # The process engine sends delta streams' tokens bare and their text is decoded here, per message
+        # taken: the same text as the engine's own decoding, whichever way the stream ends.
+        first = (await _collect(in_thread, "the text", SamplingParams(temperature=0, max_tokens=1)))[0].outputs[0].token_ids[0]
+        for params in [GREEDY, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, skip_special_tokens=False),
+                       SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[first]),
+                       SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[first], include_stop_str_in_output=True),
+                       SamplingParams(temperature=0, max_tokens=12, n=2, ignore_eos=True),
+                       SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["zz"])]:
+            here, there = await _collect(llm, "the text", params), await _collect(in_thread, "the text", params)
+            assert _texts(here) == _texts(there) and here[-1].outputs[-1].finish_reason == there[-1].outputs[-1].finish_reason
+        assert here[0].outputs[0].text  # stop strings: decoded by the engine, as before
+        slow = llm.generate("the text", GREEDY)  # a consumer that lags: several steps decode in one window
+        outs = [await slow.__anext__()]
+        await asyncio.sleep(0.3)
+        outs += [o async for o in slow]
+        assert len(outs[1].outputs[0].token_ids) > 1
+        assert _texts(outs) == _texts(await _collect(in_thread, "the text", GREEDY))
         outs = await _collect(llm, "from another process", GREEDY)
         assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 24
         # Outputs cross the pipe without their prompt; each delta still carries it, as in-process.

@@ -37,7 +37,7 @@ def test_random_sequences_stream_to_the_full_decode(tokenizer):
         # Mix plain tokens, byte-fallback runs (often invalid or multi-byte UTF-8) and special tokens.
         ids = [rng.choice(byte_tokens) if rng.random() < 0.3 else rng.randrange(vocab) for _ in range(n)]
         for skip in (True, False):
-            deltas, _, _ = stream(tokenizer, ids, chunk=rng.choice([1, 1, 3]), skip_special_tokens=skip)
+            deltas, _, _ = stream(tokenizer, ids, chunk=rng.choice([1, 1, 3, 7, 40]), skip_special_tokens=skip)
             assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=skip), (trial, ids)
 
 
