@@ -50,7 +50,6 @@ class _Stream:
     items: list = field(default_factory=list)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     finished: bool = False
-
     text: _StreamText | None = None  # the engine process sends this stream's tokens without their text
 
     def put(self, item: RequestOutput | BaseException) -> None:
