@@ -53,8 +53,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cluster_sim.fit import load_cost_model
@@ -68,6 +66,7 @@ from benchmarks.cluster_sim.workloads import (
 )
 from benchmarks.serve_process import serve_run
 from benchmarks.stream_client import (
+    HTTPError,
     Result,
     http_client,
     run_open_loop,
@@ -156,7 +155,7 @@ async def warm_up(url: str, model: str, timeout_s: float = 600) -> None:
                     await asyncio.gather(*(send_openai(client, url, model, [5 + i] * prompt_len, max_tokens)
                                            for i in (0, 1)))
                     break
-                except httpx.HTTPError:
+                except HTTPError:
                     if time.monotonic() > deadline:
                         raise
                     await asyncio.sleep(1.0)
@@ -169,7 +168,7 @@ async def load(url: str, model: str, workload: list[SimRequest]) -> tuple[list[R
         async def send(prompt: list[int], max_tokens: int) -> Result | None:
             try:
                 return await send_openai(client, url, model, prompt, max_tokens)
-            except httpx.HTTPError as e:
+            except HTTPError as e:
                 failed.append(f"{type(e).__name__}: {e}")
                 return None
 
