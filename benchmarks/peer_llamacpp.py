@@ -8,9 +8,11 @@ Systems: our app as `make run` serves it (`serve run` of --config: 1 engine repl
 llama-server with 64 and 16 slots (`-np`, continuous batching, 512 tokens of context per slot), and, for
 the all-at-once load, our offline engine (`LLM.generate`) on the same requests, first and again last (the
 mean of the two: this host's speed drifts by tens of percent within minutes, and a single measure taken
-before everything else leaned the app/offline ratio whichever way the host went). llama.cpp is built from
-the llama-cpp-python sdist on first use (benchmarks/peers/llamacpp.py) and the checkpoint converted to
-GGUF f32.
+before everything else leaned the app/offline ratio whichever way the host went), and a third time beside
+a process that busy-waits for as much CPU as the app's serving path and the client took during the app's
+burst (the app's engine shares two cores with them; the offline engine has them to itself). llama.cpp is
+built from the llama-cpp-python sdist on first use (benchmarks/peers/llamacpp.py) and the checkpoint
+converted to GGUF f32.
 
 Loads: Poisson arrivals at --rate requests/s (--num-requests of them), then --burst requests sent at once.
 Prompts of 32-256 random tokens, 16-128 output tokens, greedy, ignore_eos. One open-loop client for all
@@ -70,17 +72,37 @@ def _offline(model: str, engine: dict, requests: list[Request], out) -> None:
 OFFLINE_SETTLE_S = 10  # after the last server stopped, before the second offline measure
 
 
-def offline_throughput(model: str, engine: dict, requests: list[Request]) -> float:
+NOISE_PERIOD_S = 0.01  # the serving path wakes in short bursts: an SSE event, a step's outputs, a Ray loop
+
+
+def _busy(cores: float, stop) -> None:
+    """Take `cores` of one core: spin that share of every NOISE_PERIOD_S, sleep the rest."""
+    while not stop.is_set():
+        until = time.perf_counter() + cores * NOISE_PERIOD_S
+        while time.perf_counter() < until:
+            pass
+        time.sleep((1 - cores) * NOISE_PERIOD_S)
+
+
+def offline_throughput(model: str, engine: dict, requests: list[Request], noise_cores: float = 0.0) -> float:
     """Output tokens/s of `LLM.generate` on `requests` all at once, in a process of its own (its torch
-    threads must not linger in this client)."""
+    threads must not linger in this client); with `noise_cores`, beside a process that busy-waits for that
+    share of a core, as the app's serving path and client take it from the app's engine."""
     ctx = multiprocessing.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
+    stop = ctx.Event()
+    noise = ctx.Process(target=_busy, args=(min(noise_cores, 1.0), stop)) if noise_cores else None
     p = ctx.Process(target=_offline, args=(model, engine, requests, send))
+    if noise:
+        noise.start()
     p.start()
     try:
         return recv.recv()
     finally:
         p.join()
+        if noise:
+            stop.set()
+            noise.join()
 
 
 # --- llama-server ------------------------------------------------------------------------------------
@@ -128,20 +150,23 @@ def idle_ttft(name: str, send, prompt_lens: list[int], keepalive: bool = True, s
 
 def measure(name: str, send, loads: dict[str, list[Request]], on_load_start=None, on_load_end=None,
             keepalive: bool = True) -> list[dict]:
-    """Each load in turn against one running server: a warm-up, then the open loop."""
+    """Each load in turn against one running server: a warm-up, then the open loop. A row's `client_cpu_s`
+    is this client's CPU during the open loop: it shares the host with the server it measures."""
 
-    async def go(requests):
+    async def go(load, requests):
         async with http_client(keepalive) as client:
             await asyncio.gather(*(send(client, p, 8) for _, p, _ in requests[:4]))  # warm-up
-            return await run_open_loop(requests, lambda p, m: send(client, p, m))
+            if on_load_start:
+                on_load_start(load)
+            cpu = time.process_time()
+            results, duration = await run_open_loop(requests, lambda p, m: send(client, p, m))
+            return results, duration, time.process_time() - cpu
 
     rows = []
     for load, requests in loads.items():
-        if on_load_start:
-            on_load_start(load)
-        results, duration = asyncio.run(go(requests))
+        results, duration, client_cpu_s = asyncio.run(go(load, requests))
         extra = on_load_end(load, len(requests)) if on_load_end else {}
-        rows.append({**summarize(name, results, duration), "load": load, **(extra or {})})
+        rows.append({**summarize(name, results, duration), "load": load, "client_cpu_s": client_cpu_s, **(extra or {})})
         r = rows[-1]  # the whole row at once: a later failure must not lose it
         print(f"  {name}, {load}: {r['throughput']:.0f} tok/s, TTFT p50/p95/p99 {r['ttft_p50']:.0f}/{r['ttft_p95']:.0f}/"
               f"{r['ttft_p99']:.0f} ms, ITL p50/p99 {r['itl_p50']:.1f}/{r['itl_p99']:.1f} ms, TPOT {r['tpot_mean']:.1f} ms, "
@@ -260,8 +285,9 @@ def main() -> None:
                     profiler.start()
 
             def load_end(load, n):
-                after = app.cpu_seconds()
-                return {"cpu_ms_by_role": {k: (v - cpu_before.get(k, 0.0)) / n * 1e3 for k, v in after.items()}}
+                used = {k: v - cpu_before.get(k, 0.0) for k, v in app.cpu_seconds().items()}
+                return {"cpu_ms_by_role": {k: v / n * 1e3 for k, v in used.items()},
+                        "serving_cpu_s": sum(v for k, v in used.items() if k != "engine core")}
 
             rows += measure(label, send, loads, load_start, load_end)
             if profiler:
@@ -287,6 +313,14 @@ def main() -> None:
         print(f"  offline engine, again: {offline_last:.0f} tok/s (mean {offline:.0f})", flush=True)
         rows.insert(0, {"system": "pagedserve offline `LLM.generate` (mean of first and last)",
                         "load": f"{args.burst} at once", "throughput": offline, "offline": True})
+        ours = next((r for r in rows if r["system"].startswith("pagedserve app (") and r["load"].endswith("at once")), None)
+        if ours:  # how much of the app's gap to the offline engine is the CPU its serving path takes from it
+            cores = serving_cores(ours)
+            beside = offline_throughput(model, engine, loads[f"{args.burst} at once"], noise_cores=cores)
+            print(f"  offline engine beside {cores:.2f} cores of busy-waiting: {beside:.0f} tok/s", flush=True)
+            rows.insert(1, {"system": f"pagedserve offline beside a busy-wait of {cores:.2f} cores (the app's serving "
+                            "path and client, all at once)", "load": f"{args.burst} at once", "throughput": beside,
+                            "offline": True, "noise_cores": cores})
 
     table(rows)
     for r in rows:
@@ -295,6 +329,11 @@ def main() -> None:
             print(f"app CPU ms per request, {r['load']}: {sum(r['cpu_ms_by_role'].values()):.1f} ({roles})")
     idle_table(idle)
     ratios(rows, args)
+
+
+def serving_cores(row: dict) -> float:
+    """Cores the app's serving path (every process but its engine core) and the client took during a load."""
+    return (row["serving_cpu_s"] + row["client_cpu_s"]) / row["duration"]
 
 
 def idle_table(idle: dict[str, dict[int, float]]) -> None:
@@ -338,6 +377,11 @@ def ratios(rows: list[dict], args) -> None:
     if ours and offline:
         print(f"{burst_load}: app / offline engine throughput {ours[burst_load]['throughput'] / offline['throughput']:.2f}x "
               f"(target >= 0.85)")
+    beside = next((r for r in rows if "noise_cores" in r), None)
+    if ours and offline and beside:
+        print(f"{burst_load}: offline engine beside {beside['noise_cores']:.2f} cores of busy-waiting / alone "
+              f"{beside['throughput'] / offline['throughput']:.2f}x; app / offline beside it "
+              f"{ours[burst_load]['throughput'] / beside['throughput']:.2f}x")
 
 
 if __name__ == "__main__":
