@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -13,11 +14,17 @@ from serve_app.protocol.openai import ChatCompletionRequest, ChatCompletionRespo
 from tests.serve_app.conftest import INGRESS, disconnect_mid_stream
 
 APP = "direct"
+# One app for the module (each app deployed costs 15-25 s on 2 cores): two replicas, and behind HAProxy the
+# prefix router, which HAProxy asks; Ray's proxy has no router to ask (app.py refuses prefix behind it).
+ROUTER = "prefix" if INGRESS == "haproxy" else "pow2"
 
 
 @pytest.fixture(scope="module")
-def direct_url(deploy_app) -> str:
-    return deploy_app(APP, "/direct", model="pagedserve-tiny", num_replicas=1, router="pow2", direct_streaming=True)
+def direct_url(deploy_app) -> Iterator[str]:
+    from ray import serve
+
+    yield deploy_app(APP, "/direct", model="pagedserve-tiny", num_replicas=2, router=ROUTER, direct_streaming=True)
+    serve.delete(APP)  # its replicas would otherwise share the 2 cores with every later test
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +37,8 @@ def direct_engine(direct_url):
 def test_only_the_engine_deployment_runs(direct_url):
     from ray import serve
 
-    assert set(serve.status().applications[APP].deployments) == {"LLMServer"}
+    routers = {"IngressRouter"} if ROUTER == "prefix" else set()
+    assert set(serve.status().applications[APP].deployments) == {"LLMServer"} | routers
 
 
 def test_stream_matches_non_stream(direct_url):
@@ -56,12 +64,12 @@ def test_chat_and_messages_routes(direct_url):
 
 
 def test_bad_request_is_an_openai_error_and_restarts_nothing(direct_url, direct_engine):
-    replica = direct_engine.identity.remote().result()
+    replicas = sorted(direct_engine.broadcast("identity").results())
     r = httpx.post(direct_url + "/v1/completions", json={"prompt": "x", "temperature": -1}, timeout=30)
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["param"] == "temperature" and error["type"] == "invalid_request_error"
-    assert direct_engine.identity.remote().result() == replica
+    assert sorted(direct_engine.broadcast("identity").results()) == replicas
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(direct_url, direct_engine):
@@ -81,15 +89,10 @@ def test_handle_api(direct_url):
 
 
 @pytest.mark.skipif(INGRESS != "haproxy", reason="HAProxy asks the ingress request router; Ray's proxy has none")
-def test_prefix_router_picks_the_replica_through_haproxy(deploy_app):
+def test_prefix_router_picks_the_replica_through_haproxy(direct_url, direct_engine):
     """Behind HAProxy alone, requests spread over the replicas by least connections; with router: prefix,
     IngressRouter sends every prompt with the same long prefix to the replica that holds it."""
-    from ray import serve
-
-    url = deploy_app("direct-prefix", "/direct-prefix", model="pagedserve-tiny", num_replicas=2, router="prefix",
-                     direct_streaming=True)
-    assert set(serve.status().applications["direct-prefix"].deployments) == {"LLMServer", "IngressRouter"}
-    engine = serve.get_deployment_handle("LLMServer", app_name="direct-prefix")
+    url, engine = direct_url, direct_engine
     before = [s.num_requests_finished for s in engine.broadcast("stats").results()]
     shared = " ".join(f"rule {i}: answer briefly and cite the handbook." for i in range(40))
     for i in range(6):
