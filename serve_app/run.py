@@ -19,9 +19,12 @@ import ray
 import yaml
 from ray import serve
 from ray.serve._private.api import serve_start
+from ray.serve._private.application_state import StatusOverview
+from ray.serve._private.client import ServeControllerClient
 from ray.serve._private.constants import SERVE_NAMESPACE
 from ray.serve.config import gRPCOptions
-from ray.serve.schema import ServeDeploySchema
+from ray.serve.generated.serve_pb2 import StatusOverview as StatusOverviewProto
+from ray.serve.schema import ApplicationStatus, ServeDeploySchema
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +51,23 @@ def main(argv: list[str] | None = None) -> None:
         pass
     print("Stopping: draining the requests in flight (Ctrl-C again to stop at once).", flush=True)
     try:
-        client.delete_apps(names, blocking=True)
-    except (KeyboardInterrupt, TimeoutError):
+        client.delete_apps(names, blocking=False)
+        wait_deleted(client, names)
+    except KeyboardInterrupt:
         pass
     serve.shutdown()
+
+
+def wait_deleted(client: ServeControllerClient, names: list[str], poll_s: float = 0.1) -> None:
+    """Until Serve has deleted the applications, asked as Serve's own blocking delete asks, which polls
+    once a second: up to a second of an idle app's Ctrl-C. A drain that hangs is bounded by each
+    deployment's graceful_shutdown_timeout_s, after which Serve stops the replicas itself."""
+    while True:
+        statuses = ray.get(client._controller.get_serve_statuses.remote(names))
+        if all(StatusOverview.from_proto(StatusOverviewProto.FromString(s)).app_status.status
+               == ApplicationStatus.NOT_STARTED for s in statuses):
+            return
+        time.sleep(poll_s)
 
 
 if __name__ == "__main__":
