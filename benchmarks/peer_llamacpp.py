@@ -313,7 +313,7 @@ def main() -> None:
         print(f"  offline engine, again: {offline_last:.0f} tok/s (mean {offline:.0f})", flush=True)
         rows.insert(0, {"system": "pagedserve offline `LLM.generate` (mean of first and last)",
                         "load": f"{args.burst} at once", "throughput": offline, "offline": True})
-        ours = next((r for r in rows if r["system"].startswith("pagedserve app (") and r["load"].endswith("at once")), None)
+        ours = next((r for r in rows if r["system"].startswith("pagedserve app (") and r["load"] == f"{args.burst} at once"), None)
         if ours:  # how much of the app's gap to the offline engine is the CPU its serving path takes from it
             cores = serving_cores(ours)
             beside = offline_throughput(model, engine, loads[f"{args.burst} at once"], noise_cores=cores)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, text_token_ids
 from engine.engine_core import run_engine_loop, run_engine_process
 from engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from engine.executor import Rendezvous, WorkerLauncher
@@ -92,9 +92,8 @@ class _StreamText:
             if detokenizer is None:
                 detokenizer = self.samples[sample.index] = IncrementalDetokenizer(
                     self.tokenizer, self.prompt_token_ids, self.params.skip_special_tokens)
-            token_ids = sample.token_ids
-            if sample.finish_reason == "stop" and not self.params.include_stop_str_in_output:
-                token_ids = token_ids[:-1]  # the EOS or stop token itself is not text (as OutputProcessor)
+            token_ids = text_token_ids(sample.token_ids, sample.finish_reason == "stop",
+                                       self.params.include_stop_str_in_output)
             detokenizer.update(token_ids, check_stop=False, final=sample.finished)
             sample.text = detokenizer.get_delta(sample.finished)
 

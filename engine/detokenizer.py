@@ -21,6 +21,12 @@ from transformers import PreTrainedTokenizerBase
 _PROMPT_CONTEXT = 6  # prompt tokens that prime the window: enough for word boundaries and byte pieces
 
 
+def text_token_ids(token_ids: list[int], ended_by_stop_token: bool, include_stop_str_in_output: bool) -> list[int]:
+    """The tokens whose text a request shows: the EOS or stop token that ended it is not text, unless the
+    request asked for its stop in the output."""
+    return token_ids[:-1] if ended_by_stop_token and not include_stop_str_in_output else token_ids
+
+
 @functools.lru_cache(maxsize=16)
 def _byte_fallback_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """Ids of SentencePiece byte-fallback tokens (<0x41>). A run of them decodes as a group: when the

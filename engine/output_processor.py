@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, text_token_ids
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepTiming
 from engine.request import Request, RequestStatus
 from engine.sampling_params import RequestOutputKind
@@ -68,10 +68,9 @@ class OutputProcessor:
                 continue
             params = request.sampling_params
             first = sample.num_detokenized
-            new = request.output_token_ids[first:]
+            new = text_token_ids(request.output_token_ids[first:], request.status is RequestStatus.FINISHED_STOPPED,
+                                 params.include_stop_str_in_output)
             sample.num_detokenized = request.num_output_tokens
-            if request.status is RequestStatus.FINISHED_STOPPED and not params.include_stop_str_in_output:
-                new = new[:-1]  # the EOS or stop token itself is not text
             stop = sample.detokenizer.update(
                 new, check_stop=request.num_output_tokens >= params.min_tokens, final=request.is_finished
             )
