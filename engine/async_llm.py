@@ -107,6 +107,14 @@ class AsyncLLM:
         process attaches to the workers: a daemonic engine process could not start processes itself."""
         self.config = config
         self._launcher = launcher
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams and _num_pending_adds
+        self._num_pending_adds = 0
+        self._dead: EngineDeadError | None = None
+        self._stopping = False
+        self.cache_summary = b""  # packed uint64 short hashes of the cached blocks (for routers)
+        # Checks the config against the model (ModelSpec's checks) before any worker starts.
+        self.processor = InputProcessor.from_config(config) if config.multiprocess else None
         rendezvous = None
         if config.world_size > 1 and (config.multiprocess or launcher is not None):
             if self._launcher is None:
@@ -114,23 +122,17 @@ class AsyncLLM:
 
                 self._launcher = ProcessLauncher()
             rendezvous = self._launcher.launch(config, config.step_timeout_s)
-        self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()  # guards _streams and _num_pending_adds
-        self._num_pending_adds = 0
-        self._dead: EngineDeadError | None = None
-        self._stopping = False
-        self.cache_summary = b""  # packed uint64 short hashes of the cached blocks (for routers)
-        if config.multiprocess:
-            self.engine = None  # lives in the engine process
-            self.processor = InputProcessor.from_config(config)
-            self._start_process(rendezvous)
-        else:
-            try:
+        try:  # the workers are up: a failure from here on stops them
+            if config.multiprocess:
+                self.engine = None  # lives in the engine process
+                self._start_process(rendezvous)
+            else:
                 self.engine = LLMEngine(config, rendezvous)
-            except BaseException:
-                if self._launcher is not None:
-                    self._launcher.shutdown()
-                raise
+        except BaseException:
+            if self._launcher is not None:
+                self._launcher.shutdown()
+            raise
+        if self.engine is not None:
             self.processor = self.engine.input_processor
             self.stats = self.engine.get_stats()
             self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -152,14 +154,19 @@ class AsyncLLM:
         events_out.close()
         self._events = events_in
         self._send_lock = threading.Lock()
-        while not self._events.poll(0.5):  # ("ready", stats) comes, or ("dead", why) if loading failed
-            if self._launcher is not None and self._launcher.failure() is not None:
-                self._launcher.shutdown()  # closes the store under the engine process, which then gives up
-        kind, payload = self._events.recv()
+        try:
+            while not self._events.poll(0.5):  # ("ready", stats) comes, or ("dead", why) if loading failed
+                if self._launcher is not None and self._launcher.failure() is not None:
+                    self._launcher.shutdown()  # closes the store under the engine process, which then gives up
+            kind, payload = self._events.recv()
+        except EOFError:  # it died without a word (killed, or crashed in native code)
+            self._process.join(5)
+            kind, payload = "dead", f"the engine process exited (code {self._process.exitcode}) while loading"
+        except BaseException:
+            self._process.kill()
+            raise
         if kind != "ready":
             self._process.join(5)
-            if self._launcher is not None:
-                self._launcher.shutdown()
             raise RuntimeError(payload)
         self.stats = payload
         self._thread = threading.Thread(target=self._read_process_events, name="pagedserve-engine-events", daemon=True)

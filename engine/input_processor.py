@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
 from engine.lora.request import LoRARequest
+from engine.model_spec import check_config, resolve_max_model_len
 from engine.models.config import ModelConfig
 from engine.models.loader import resolve_model_path
 from engine.sampling_params import SamplingParams
@@ -39,20 +40,6 @@ def resolve_eos_token_ids(model_config: ModelConfig, tokenizer: PreTrainedTokeni
     if model_config.eos_token_ids:
         return frozenset(model_config.eos_token_ids)
     return frozenset([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-
-
-def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    limit = model_config.max_position_embeddings
-    if model_config.sliding_window:  # we attend over the full context: exact only within the window
-        limit = min(limit, model_config.sliding_window)
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len: {config.max_model_len} exceeds the model's limit of {limit} tokens "
-            "(max_position_embeddings, or sliding_window)"
-        )
-    return config.max_model_len
 
 
 def text_chars(value) -> int:
@@ -84,9 +71,11 @@ class InputProcessor:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> InputProcessor:
-        """Without the weights: for a process that validates requests but runs no model."""
+        """Without the weights: for a process that validates requests but runs no model. It refuses a
+        config the model cannot run (ModelSpec's checks) before anything is started for it."""
         path = resolve_model_path(config.model, config.revision, weights=False)
         model_config = ModelConfig.from_pretrained(path)
+        check_config(config, model_config)
         tokenizer = load_tokenizer(config.tokenizer or path, config.revision if config.tokenizer else None)
         return cls(config, model_config, tokenizer, resolve_max_model_len(config, model_config))
 

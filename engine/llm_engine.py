@@ -21,7 +21,7 @@ from engine.executor import Rendezvous
 from engine.executor.worker import threads_per_rank
 from engine.input_processor import InputProcessor, PreparedRequest, resolve_eos_token_ids
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_transfer.shared_memory import SharedMemoryConnector, kv_layout, staged_prefix
+from engine.kv_transfer.shared_memory import SharedMemoryConnector, kv_layout
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
 from engine.model_runner import LogprobEntry, ModelRunner, ModelRunnerOutput, StepPlan
@@ -32,6 +32,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import sample_seed
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.shm_files import owned_prefix
 from engine.stats import EngineStats
 from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import load_tokenizer
@@ -61,29 +62,30 @@ class LLMEngine:
         self.eos_token_ids = resolve_eos_token_ids(self.model_config, self.tokenizer)
         self.model_runner = ModelRunner(config, spec, rendezvous)
         self.kv_connector = None
-        if config.kv_transfer_config is not None:
-            layout, stages = kv_layout(config, self.model_config, self.dtype)
-            self.kv_connector = SharedMemoryConnector(config.kv_transfer_config, staged_prefix("kv") + uuid.uuid4().hex[:12],
-                                                      layout, config.block_size, self.dtype, layers_per_rank=stages)
-            self.model_runner.kv_connector = self.kv_connector
-        self.lora_manager = None
-        if config.enable_lora:
-            executor = self.model_runner.executor
-            self.lora_manager = LoRAManager(
-                self.model_config, config.max_loras, config.cpu_lora_capacity, config.max_lora_rank,
-                lambda slot, adapter: executor.collective_rpc("load_lora", slot, adapter),
-            )
-        try:
+        try:  # the workers of a multi-rank engine are up: a failure from here on stops them
+            if config.kv_transfer_config is not None:
+                layout, stages = kv_layout(config, self.model_config, self.dtype)
+                engine_id = owned_prefix("kv") + uuid.uuid4().hex[:12]  # names its staged KV
+                self.kv_connector = SharedMemoryConnector(config.kv_transfer_config, engine_id, layout, config.block_size,
+                                                          self.dtype, layers_per_rank=stages)
+                self.model_runner.kv_connector = self.kv_connector
+            self.lora_manager = None
+            if config.enable_lora:
+                executor = self.model_runner.executor
+                self.lora_manager = LoRAManager(
+                    self.model_config, config.max_loras, config.cpu_lora_capacity, config.max_lora_rank,
+                    lambda slot, adapter: executor.collective_rpc("load_lora", slot, adapter),
+                )
             self.scheduler = self._build_scheduler(self.model_runner.num_blocks)
-        except ValueError:
+            self.input_processor = InputProcessor(config, self.model_config, self.tokenizer, self.max_model_len)
+            self.output_processor = OutputProcessor(self.tokenizer)
+            self.structured_output = StructuredOutputManager(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids, config.max_num_seqs
+            )
+            self.model_runner.structured_output = self.structured_output
+        except BaseException:
             self.shutdown()
             raise
-        self.input_processor = InputProcessor(config, self.model_config, self.tokenizer, self.max_model_len)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.structured_output = StructuredOutputManager(
-            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids, config.max_num_seqs
-        )
-        self.model_runner.structured_output = self.structured_output
         self._compiling: dict[str, list[Request]] = {}  # samples whose grammar is still compiling
         self._children: dict[str, list[Request]] = {}  # in-flight parent id -> its samples
         self._parked: dict[str, list[Request]] = {}  # samples waiting for their first sibling's prefill
@@ -137,8 +139,8 @@ class LLMEngine:
     def add_prepared(self, prepared: PreparedRequest) -> None:
         """Enqueue a prepared request; engine-thread only."""
         rid, params = prepared.request_id, prepared.params
-        if rid in self._children:
-            raise ValueError(f"request_id: {rid!r} is already in flight")
+        if rid in self._children or (self.kv_connector is not None and self.kv_connector.holds(rid)):
+            raise ValueError(f"request_id: {rid!r} is already in flight (or its KV is held for a consumer)")
         room = self.max_model_len - len(prepared.prompt_token_ids)
         adapter = self._resolve_lora(prepared.lora_request)
         children = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -12,7 +13,7 @@ from engine.block_table import BlockTable
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.models.config import ModelConfig
-from engine.models.layers.quantization import resolve_quant_config
+from engine.models.layers.quantization import QuantizationConfig, resolve_quant_config
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import build_model, resolve_model_path
 from engine.model_spec import ModelSpec
@@ -68,41 +69,56 @@ class ModelRunner:
         self.dtype = spec.dtype
         self.block_size = config.block_size
         self.max_model_len = spec.max_model_len
-        self.device = torch.device("cuda") if spec.device_type == "cuda" else torch.device("cpu")
         draft = config.speculative_config
-        load_format = "safetensors" if config.load_format == "auto" else config.load_format
-        self.draft_model = self._load_draft(draft.model, load_format) if draft and draft.method == "draft_model" else None
-        draft_bytes = self._draft_bytes_per_block()
+        # The draft's config is checked before any worker starts; its weights load on the driver's device.
+        draft_checkpoint = self._draft_checkpoint(draft.model) if draft and draft.method == "draft_model" else None
+        draft_bytes = self._draft_bytes_per_block(draft_checkpoint[1]) if draft_checkpoint else 0
         self.executor = create_executor(config, spec, rendezvous, draft_bytes)
+        # The driver rank's device, made its current one when it started: every tensor of a step is made there.
+        self.device = self.executor.driver_worker.device
+        try:
+            self._init_driver(draft_checkpoint)
+        except BaseException:  # the workers are up: they go too
+            self.executor.shutdown()
+            raise
+
+    def _init_driver(self, draft_checkpoint: tuple[Path, ModelConfig, QuantizationConfig | None] | None) -> None:
+        config, draft = self.config, self.config.speculative_config
         self.num_blocks = self.executor.num_blocks
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.device)
         self.structured_output = None  # the engine's StructuredOutputManager: masks constrained rows' logits
         self.kv_connector = None  # the scheduler's KV connector (disaggregated prefill/decode), set by the engine
         self.block_table = BlockTable(config.max_num_seqs, -(-self.max_model_len // self.block_size))
         self.ngram = NgramProposer(draft.prompt_lookup_min, draft.prompt_lookup_max) if draft and draft.method == "ngram" else None
         self.drafter = None
-        if self.draft_model is not None:
-            draft_cfg = self.draft_model.config
-            backend_cls = get_attention_backend(config.attention_backend, self.device.type)
-            draft_backend = backend_cls(
-                draft_cfg.num_attention_heads, draft_cfg.num_key_value_heads, draft_cfg.head_dim,
-                self.block_size, self.num_blocks, self.dtype, self.device,
-            )
-            # The draft's own KV, indexed by the target's block ids: one allocation, caching and freeing.
-            for layer in self.draft_model.attention_layers:
-                layer.kv_cache = torch.zeros(draft_backend.kv_cache_shape(), dtype=self.dtype, device=self.device)
-            self.drafter = DraftModelProposer(
-                self.draft_model, draft_backend,
-                lambda request, kv: self.block_table.sync(request.request_id, kv.get_block_ids(request)),
-                self._prepare_inputs, self.sampler.generator, self.device,
-            )
+        self.draft_model = None
+        if draft_checkpoint is None:
+            return
+        path, draft_cfg, quant_config = draft_checkpoint
+        load_format = "safetensors" if config.load_format == "auto" else config.load_format
+        self.draft_model = build_model(draft_cfg, path, load_format, self.dtype, self.device, config.seed,
+                                       config.max_num_seqs, quant_config)
+        backend_cls = get_attention_backend(config.attention_backend, self.device.type)
+        draft_backend = backend_cls(
+            draft_cfg.num_attention_heads, draft_cfg.num_key_value_heads, draft_cfg.head_dim,
+            self.block_size, self.num_blocks, self.dtype, self.device,
+        )
+        # The draft's own KV, indexed by the target's block ids: one allocation, caching and freeing.
+        for layer in self.draft_model.attention_layers:
+            layer.kv_cache = torch.zeros(draft_backend.kv_cache_shape(), dtype=self.dtype, device=self.device)
+        self.drafter = DraftModelProposer(
+            self.draft_model, draft_backend,
+            lambda request, kv: self.block_table.sync(request.request_id, kv.get_block_ids(request)),
+            self._prepare_inputs, self.sampler.generator, self.device,
+        )
 
     @property
     def model(self) -> LlamaForCausalLM:
         """The driver's part of the model (all of it on one rank)."""
         return self.executor.driver_worker.model
 
-    def _load_draft(self, model: str, load_format: str) -> LlamaForCausalLM:
+    def _draft_checkpoint(self, model: str) -> tuple[Path, ModelConfig, QuantizationConfig | None]:
+        """The draft model's folder, config and quantization, checked against the target's."""
         path = resolve_model_path(model)
         cfg = ModelConfig.from_pretrained(path)
         if cfg.vocab_size != self.model_config.vocab_size:
@@ -115,15 +131,10 @@ class ModelRunner:
                 f"speculative_config.model: the draft handles {cfg.max_position_embeddings} positions, fewer than "
                 f"max_model_len={self.max_model_len}; lower max_model_len or pick another draft"
             )
-        return build_model(cfg, path, load_format, self.dtype, self.device, self.config.seed, self.config.max_num_seqs,
-                           resolve_quant_config(None, cfg.quantization_config))
+        return path, cfg, resolve_quant_config(None, cfg.quantization_config)
 
-    def _draft_bytes_per_block(self) -> int:
-        if self.draft_model is None:
-            return 0
-        c = self.draft_model.config
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.block_size * elem
+    def _draft_bytes_per_block(self, c: ModelConfig) -> int:
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.block_size * self.dtype.itemsize
 
     def execute(self, so: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
         plan = self.prepare(so, kv)
@@ -187,9 +198,8 @@ class ModelRunner:
     def finish(self, plan: StepPlan, logits: torch.Tensor | None) -> ModelRunnerOutput:
         """Sample (and verify drafts, and gather logprobs) from the step's logits."""
         so, samplers, num_sampled, draft_probs = plan.so, plan.samplers, plan.num_sampled, plan.draft_probs
-        if plan.inp.kv_meta is not None:  # every rank has loaded them: the staged files are spent
-            for load in plan.inp.kv_meta.loads:
-                self.kv_connector.discard(load.name)
+        if plan.inp.kv_meta is not None:
+            self.kv_connector.loads_done(plan.inp.kv_meta)
         out = ModelRunnerOutput([None] * len(so.requests), [None] * len(so.requests), {})
         if logits is None:
             return out

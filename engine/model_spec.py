@@ -1,7 +1,13 @@
 """ModelSpec: the model an engine runs and how, resolved once from its EngineConfig: the checkpoint
 folder, the architecture's facts, device, dtype and context length. Every rank of a multi-device engine
-resolves the same spec from the same config; the checks that a model can be split the way the config
-asks live here, where the model meets the config."""
+resolves the same spec from the same config.
+
+The checks that a model can run the way the config asks live here, where the model meets the config, in
+one function of the two (`check_config`): the split over ranks, the quantization and how its groups fall
+on the ranks, the context length. It needs neither the weights nor a device, so whoever can refuse a
+config before an engine starts runs it too: InputProcessor.from_config (before a multi-rank AsyncLLM
+launches its workers) and the serving app's build_app (before Serve starts a replica), which reads the
+model's config where it can (`local_model_config`)."""
 
 from __future__ import annotations
 
@@ -11,10 +17,12 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.input_processor import resolve_max_model_len
+from engine.distributed import GroupCoordinator, ParallelGroups, ParallelLayout, parallel_groups
+from engine.models.builtin import BUILTIN_MODELS
 from engine.models.config import ModelConfig
 from engine.models.layers.quantization import QuantizationConfig, resolve_quant_config
 from engine.models.loader import resolve_model_path
+from engine.models.registry import model_class
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,15 +41,58 @@ class ModelSpec:
         path = resolve_model_path(config.model, config.revision)
         model_config = ModelConfig.from_pretrained(path)
         device_type = resolve_device_type(config.device)
-        check_parallel_layout(config, model_config, device_type)
-        if model_config.moe is not None:  # how the experts are split is the engine's choice, read by the model
-            model_config = replace(model_config, moe=replace(model_config.moe, expert_parallel=config.enable_expert_parallel))
+        quant_config = check_config(config, model_config)
+        check_devices(config, device_type)
+        model_config = engine_model_config(config, model_config)
         dtype = resolve_dtype(config.dtype, model_config, device_type)
-        quant_config = resolve_quant_config(config.quantization, model_config.quantization_config)
-        if config.load_format == "dummy" and model_config.quantization_config is not None:
-            raise ValueError(f"load_format: 'dummy' draws dense random weights, which cannot stand in for this "
-                             f"{quant_config.name} checkpoint; use load_format='safetensors'")
         return cls(model_config, path, dtype, device_type, resolve_max_model_len(config, model_config), quant_config)
+
+
+def check_config(config: EngineConfig, model_config: ModelConfig) -> QuantizationConfig | None:
+    """Refuse, naming the field, a config this model cannot run (on any device): a split over ranks it
+    cannot take, a quantization that does not match the checkpoint or whose groups straddle ranks, a
+    context longer than the model's. Returns the engine's quantization."""
+    check_parallel_layout(config, model_config)
+    quant_config = resolve_quant_config(config.quantization, model_config.quantization_config)
+    if config.load_format == "dummy" and model_config.quantization_config is not None:
+        raise ValueError(f"load_format: 'dummy' draws dense random weights, which cannot stand in for this "
+                         f"{quant_config.name} checkpoint; use load_format='safetensors'")
+    resolve_max_model_len(config, model_config)
+    check_rank_layers(config, engine_model_config(config, model_config), quant_config)
+    return quant_config
+
+
+def local_model_config(model: str) -> ModelConfig | None:
+    """The model's config where this process can read it without weights, network or writes: a built-in
+    model's (from its spec: nothing is materialized) or a local checkpoint folder's config.json (with its
+    quantization_config). None for a hub id, or a folder this host does not have (a replica's may)."""
+    if model in BUILTIN_MODELS:
+        return ModelConfig.from_dict(BUILTIN_MODELS[model])
+    if Path(model).expanduser().is_dir():
+        return ModelConfig.from_pretrained(resolve_model_path(model))
+    return None
+
+
+def engine_model_config(config: EngineConfig, model_config: ModelConfig) -> ModelConfig:
+    """The checkpoint's config as the engine runs it: how the experts are split is the engine's choice,
+    read by the model."""
+    if model_config.moe is None:
+        return model_config
+    return replace(model_config, moe=replace(model_config.moe, expert_parallel=config.enable_expert_parallel))
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    limit = model_config.max_position_embeddings
+    if model_config.sliding_window:  # we attend over the full context: exact only within the window
+        limit = min(limit, model_config.sliding_window)
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len: {config.max_model_len} exceeds the model's limit of {limit} tokens "
+            "(max_position_embeddings, or sliding_window)"
+        )
+    return config.max_model_len
 
 
 def resolve_device_type(device: str) -> str:
@@ -61,7 +112,7 @@ def resolve_dtype(dtype: str, cfg: ModelConfig, device_type: str) -> torch.dtype
     return checkpoint
 
 
-def check_parallel_layout(config: EngineConfig, cfg: ModelConfig, device_type: str) -> None:
+def check_parallel_layout(config: EngineConfig, cfg: ModelConfig) -> None:
     """Refuse a split the model cannot take, naming the field and what would work."""
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -77,11 +128,31 @@ def check_parallel_layout(config: EngineConfig, cfg: ModelConfig, device_type: s
     if pp > cfg.num_hidden_layers:
         raise ValueError(f"pipeline_parallel_size: {pp} stages for a model of {cfg.num_hidden_layers} layers; "
                          f"use at most {cfg.num_hidden_layers}")
-    if device_type == "cuda" and config.distributed_executor_backend in (None, "mp", "uni"):
-        if tp * pp > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size: {tp} x {pp} ranks, but torch sees "
-                             f"{torch.cuda.device_count()} GPU(s) on this host; lower them or use the ray backend "
-                             "across hosts")
+
+
+def check_rank_layers(config: EngineConfig, cfg: ModelConfig, quant_config: QuantizationConfig | None) -> None:
+    """Build every pipeline stage's layers on the meta device (no memory, no weights) under stand-in groups
+    shaped like the engine's: each layer refuses, as it is built, a split it cannot take (an int4 group or
+    an FP8 block straddling two ranks, packed columns split between ranks, a size the ranks do not divide),
+    naming the field. TP ranks of a stage hold equal shapes, so its first rank stands for all."""
+    layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
+    for stage in range(layout.pipeline_parallel_size):
+        rank = layout.tp_ranks(stage)[0]
+        groups = ParallelGroups(GroupCoordinator(list(range(layout.world_size)), rank, None),
+                                GroupCoordinator(layout.tp_ranks(stage), rank, None),
+                                GroupCoordinator(layout.pp_ranks(0), rank, None))
+        with parallel_groups(groups), torch.device("meta"):
+            model_class(cfg.architecture)(cfg, quant_config)
+
+
+def check_devices(config: EngineConfig, device_type: str) -> None:
+    """Refuse more ranks on this host than it has GPUs (the ray backend places ranks across hosts)."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if (device_type == "cuda" and config.distributed_executor_backend in (None, "mp", "uni")
+            and tp * pp > torch.cuda.device_count()):
+        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size: {tp} x {pp} ranks, but torch sees "
+                         f"{torch.cuda.device_count()} GPU(s) on this host; lower them or use the ray backend "
+                         "across hosts")
 
 
 def check_expert_layout(config: EngineConfig, cfg: ModelConfig) -> None:

@@ -91,7 +91,7 @@ def build_sampling_metadata(requests: Sequence[Request], vocab_size: int, device
     if all_greedy:  # the common offline case needs none of the per-row tensors
         temperature = top_k = top_p = min_p = None
     else:
-        table = torch.tensor(rows, dtype=torch.float32)  # [B, 4], built on the CPU in one call
+        table = torch.tensor(rows, dtype=torch.float32, device="cpu")  # [B, 4], built on the CPU in one call
         temperature, k, p, m = table.unbind(1)
         temperature = temperature.to(device)
         top_k = torch.where(k > 0, k, vocab_size).long().to(device) if (k > 0).any() else None
@@ -113,9 +113,9 @@ def build_sampling_metadata(requests: Sequence[Request], vocab_size: int, device
 
 def _penalties(requests: list[Request], rows: list[int], vocab_size: int, device: torch.device) -> Penalties:
     def padded(seqs: list[list[int]]) -> torch.Tensor:
-        out = torch.full((len(seqs), max(1, max(map(len, seqs)))), vocab_size, dtype=torch.long)
-        for i, seq in enumerate(seqs):
-            out[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        out = torch.full((len(seqs), max(1, max(map(len, seqs)))), vocab_size, dtype=torch.long, device="cpu")
+        for i, seq in enumerate(seqs):  # filled on the CPU, then moved in one copy
+            out[i, : len(seq)] = torch.tensor(seq, dtype=torch.long, device="cpu")
         return out.to(device)
 
     params = [r.sampling_params for r in requests]
@@ -147,9 +147,10 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
-        self._row_generator = torch.Generator()
+    def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
+        # On the logits' device: a generator draws only tensors of its own device.
+        self.generator = torch.Generator(device).manual_seed(seed)
+        self._row_generator = torch.Generator(device)
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         raw = logits.float()

@@ -4,11 +4,15 @@ serve_app.app:build_app` with `args:` in a config file (configs/default.yaml).""
 # No `from __future__ import annotations` here: Ray reads the builder's annotation at run time to
 # validate `args` as AppArgs, and a string annotation would hand us the raw dict.
 
+import logging
+
 import ray
 from ray.serve import Application
 from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
+from engine.config import EngineConfig
+from engine.model_spec import check_config, local_model_config
 from serve_app.app_args import ROUTERS, AppArgs
 from serve_app.engine_ingress import EngineIngress
 from serve_app.ingress import OpenAIIngress
@@ -16,6 +20,7 @@ from serve_app.llm_server import LLMServer, StreamPacing
 from serve_app.placement import check_placement
 from serve_app.routing.ingress_router import IngressRouter
 
+logger = logging.getLogger(__name__)
 
 
 def build_app(args: AppArgs) -> Application:
@@ -42,6 +47,7 @@ def build_app(args: AppArgs) -> Application:
 def _engine_deployment(args: AppArgs, name: str, role: str | None, router: str, router_kwargs: dict, **extra):
     """An engine deployment (`role`: a disaggregation pool, None: the only one)."""
     engine_config = args.engine_config(role)
+    check_engine_model(engine_config, f"{role} pool" if role else "engine")
     router_config = RequestRouterConfig()
     if ROUTERS[router] is not None:
         kwargs = {"block_size": engine_config.block_size, **router_kwargs} if router == "prefix" else {}
@@ -71,3 +77,15 @@ def _engine_deployment(args: AppArgs, name: str, role: str | None, router: str, 
         **extra_options,
     ).bind(engine_config.model_dump(mode="json"), args.name, args.tracing.model_dump(),
            StreamPacing(args.stream_coalesce_cpu_utilization, args.stream_coalesce_interval_s), worker_bundle, **extra)
+
+
+def check_engine_model(engine_config: EngineConfig, what: str) -> None:
+    """Refuse now, naming the field, a config the model cannot run (engine/model_spec.py check_config):
+    a replica would find it only after starting its workers, and Serve would retry replica after replica.
+    Only where the model's config can be read here without weights: a built-in model or a local folder."""
+    model_config = local_model_config(engine_config.model)
+    if model_config is None:
+        logger.warning("model: %r is no built-in model and no folder on this host; the %s's config is checked "
+                       "against it by each replica as it starts", engine_config.model, what)
+        return
+    check_config(engine_config, model_config)

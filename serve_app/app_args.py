@@ -44,6 +44,10 @@ PREFILL_POLICY_KWARGS = {"target_kv_cache_usage": None, "target_waiting_per_repl
                          "target_queued_prefill_tokens": 4096, "target_ttft_s": 2.0}
 
 
+# EngineConfig fields that decide the weights or the KV they make: one value for both pools of P/D.
+_SAME_WEIGHTS_FIELDS = {"model", "tokenizer", "revision", "dtype", "load_format", "seed", "quantization", "block_size"}
+
+
 class PoolConfig(BaseModel):
     """One pool of disaggregated prefill/decode: its size, and what its engines do differently."""
 
@@ -197,6 +201,10 @@ class AppArgs(BaseModel):
             raise ValueError("router: disaggregation needs `prefix` for the prefill pool (the decode replica learns "
                              "from it what the chosen prefill replica caches, and fetches the KV from that replica)")
         for role in ("prefill", "decode"):
+            overrides = sorted(_SAME_WEIGHTS_FIELDS & getattr(self.disaggregation, role).engine.keys())
+            if overrides:  # the decode pool would decode with other weights than those that made the prompt's KV
+                raise ValueError(f"disaggregation.{role}.engine.{overrides[0]}: both pools must run the same weights; "
+                                 "set it (and `model`) in the top-level `engine` / `model` instead")
             self.engine_config(role)  # fails naming the engine field
         return self
 

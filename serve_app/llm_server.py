@@ -21,13 +21,14 @@ from ray.serve.handle import DeploymentHandle
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
+from engine.kv_transfer import KVTransferConfig
 from engine.outputs import RequestOutput, StepTiming
 from engine.stats import EngineStats
 from serve_app import replica_context, tracing
 from serve_app.cpu_utilization import CpuUtilization
 from serve_app.engine_request import EngineRequest
 from serve_app.disaggregation.orchestrator import PDSettings, PrefillOrchestrator
-from serve_app.disaggregation.transfer import KVFetchRequest, KVFetchResult, PrefillResult, put_staged, staging_dir
+from serve_app.disaggregation.transfer import KVFetchRequest, KVFetchResult, PrefillResult, put_staged
 from serve_app.metrics import DisaggregationMetrics, EngineMetrics, RecentTTFT
 from serve_app.ray_workers import RayWorkerLauncher
 
@@ -75,13 +76,17 @@ class LLMServer:
         if config.world_size > 1 and config.distributed_executor_backend == "ray":
             launcher = RayWorkerLauncher(worker_bundle or {}, name=f"pagedserve-{replica_id}")
         self.llm = AsyncLLM(config, launcher)
-        self.metrics = EngineMetrics(served_model_name, replica_id)
+        try:
+            self.metrics = EngineMetrics(served_model_name, replica_id)
+            self.staging_dir = (config.kv_transfer_config or KVTransferConfig()).directory
+            self.pd = None
+            if prefill is not None:
+                settings = PDSettings(**(pd_settings or {}), block_size=config.block_size, staging_dir=self.staging_dir)
+                self.pd = PrefillOrchestrator(prefill, settings, DisaggregationMetrics(served_model_name, replica_id))
+        except BaseException:
+            self.llm.shutdown()  # Serve retries a failed replica: its engine process and ranks must not outlive it
+            raise
         self.ttft = RecentTTFT()
-        self.staging_dir = staging_dir(engine_config)
-        self.pd = None
-        if prefill is not None:
-            settings = PDSettings(**(pd_settings or {}), block_size=config.block_size, staging_dir=self.staging_dir)
-            self.pd = PrefillOrchestrator(prefill, settings, DisaggregationMetrics(served_model_name, replica_id))
         self._prefilled: dict[str, tuple[dict, float]] = {}  # prefill pool: request id -> (KV params, lease end)
         self.lora_request_counts: Counter[str] = Counter()  # requests per LoRA adapter since start
         self._metrics_task = asyncio.get_event_loop().create_task(self._export_metrics())

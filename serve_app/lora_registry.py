@@ -15,6 +15,10 @@ scale-up of the ingress and a redeploy of the app, and needs no extra Ray actor 
 it (a named detached actor keeps its state in one process and outlives the app unless someone kills it;
 a Serve deployment's replica restarts empty). Delete the file to forget every runtime load.
 
+Whose fault a failure is: an adapter folder that is missing, unreadable or bad is the request's (ValueError
+naming lora_path: HTTP 400); a registry file that cannot be read or written (a read-only lora_root, a
+corrupt file) is the deployment's (RegistryUnavailable naming the file: HTTP 500).
+
 Pure Python, no Ray: the ingress wraps it in HTTP routes (serve_app/lora_routes.py)."""
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ import json
 import os
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.errors import RequestFailedError
 from engine.lora.peft import load_peft_adapter
 from engine.lora.request import LoRARequest
 from engine.models.config import ModelConfig
@@ -60,6 +67,11 @@ class AdapterEntry:
 
 class AdapterNotFound(LookupError):
     pass
+
+
+class RegistryUnavailable(RequestFailedError):
+    """The registry file under lora_root cannot be read or written: the deployment's fault, not the request's
+    (a RequestFailedError: HTTP 500 with this message, naming the file; the server goes on)."""
 
 
 class LoRARegistry:
@@ -166,7 +178,10 @@ class LoRARegistry:
         if self.root is None:
             raise ValueError("lora_path: runtime loading needs lora_root in the app's config")
         candidate = Path(path)
-        resolved = (candidate if candidate.is_absolute() else self.root / candidate).resolve()
+        try:
+            resolved = (candidate if candidate.is_absolute() else self.root / candidate).resolve()
+        except (OSError, RuntimeError) as e:  # RuntimeError: a symbolic link loop (Python < 3.13)
+            raise ValueError(f"lora_path: {path} cannot be resolved ({e})") from None
         if resolved != self.root and self.root not in resolved.parents:
             raise ValueError("lora_path: must be a folder under the app's lora_root")
         return resolved
@@ -186,38 +201,57 @@ class LoRARegistry:
             stamp = (st.st_mtime_ns, st.st_size)
         except FileNotFoundError:
             stamp = None
+        except OSError as e:
+            raise self._unavailable("read", e) from None
         if stamp == self._file_stamp and not force:
             return
-        self._file_stamp = stamp
-        self._runtime = {name: AdapterEntry(**data) for name, data in self._read_file()["adapters"].items()}
+        runtime = {name: AdapterEntry(**data) for name, data in self._read_file()["adapters"].items()}
+        self._file_stamp, self._runtime = stamp, runtime
 
     def _read_file(self) -> dict:
         try:
-            state = json.loads(self.file.read_text())
+            text = self.file.read_text()
         except FileNotFoundError:
             return {"next_id": _FIRST_RUNTIME_ID, "adapters": {}}
+        except (OSError, UnicodeDecodeError) as e:
+            raise self._unavailable("read", e) from None
+        try:
+            state = json.loads(text)
+            for data in state["adapters"].values():
+                AdapterEntry(**data)
+            if not isinstance(state["next_id"], int):
+                raise TypeError(f"next_id is {state['next_id']!r}")
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise RegistryUnavailable(f"lora_root: the LoRA adapter registry {self.file} is corrupt "
+                                      f"({type(e).__name__}: {e}); delete it to forget every runtime load") from None
         return state
 
     def _write_file(self, state: dict) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=REGISTRY_FILE, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(state, f, indent=1, sort_keys=True)
-        os.replace(tmp, self.file)  # readers see the old file or the new one, never half of one
+        tmp = None
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=REGISTRY_FILE, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(state, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.file)  # readers see the old file or the new one, never half of one
+        except OSError as e:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            raise self._unavailable("write", e) from None
 
-    def _file_lock(self):
-        return _FileLock(self.root / (REGISTRY_FILE + ".lock"))
+    @contextmanager
+    def _file_lock(self) -> Iterator[None]:
+        """An exclusive flock: ingress replicas on any host sharing lora_root take turns editing the file."""
+        try:
+            fd = os.open(self.root / (REGISTRY_FILE + ".lock"), os.O_CREAT | os.O_RDWR, 0o644)
+        except OSError as e:
+            raise self._unavailable("lock", e) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # and with it the lock
 
-
-class _FileLock:
-    """An exclusive flock: ingress replicas on any host sharing lora_root take turns editing the file."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __enter__(self):
-        self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)
+    def _unavailable(self, action: str, error: OSError | UnicodeDecodeError) -> RegistryUnavailable:
+        return RegistryUnavailable(f"lora_root: cannot {action} the LoRA adapter registry {self.file} "
+                                   f"({type(error).__name__}: {error}); runtime loads need lora_root readable and "
+                                   "writable by every ingress replica")

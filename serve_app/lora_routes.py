@@ -2,7 +2,9 @@
 load_inplace}` and `POST /v1/unload_lora_adapter {lora_name}`. Served only with
 `allow_runtime_lora_updating: true`, behind the API keys (they are /v1 routes), for folders under
 `lora_root` only. A load validates the adapter against the base model before registering it (400 naming
-the problem: nothing reaches an engine replica); replicas read it from disk on its first request."""
+the problem, an unreadable folder too: nothing reaches an engine replica); replicas read it from disk on its
+first request. A registry under lora_root that cannot be read or written is the deployment's fault: 500
+naming the file (serve_app/lora_registry.py RegistryUnavailable)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from serve_app.errors import APIError, from_exception
 from serve_app.lora_registry import AdapterNotFound, LoRARegistry
 from serve_app.protocol.openai import ErrorResponse
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 500)}
 
 
 class LoadLoRAAdapterRequest(ValidTextModel):

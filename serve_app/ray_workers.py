@@ -33,7 +33,9 @@ class EngineRankWorker:
     """One rank of a replica's engine (its model shard and KV cache), for the life of the engine."""
 
     def run(self, config: EngineConfig, rendezvous: Rendezvous, rank: int, ranks_on_host: int) -> None:
-        run_worker(config, rendezvous, rank, 0, ranks_on_host)  # Ray pins the actor's GPU as device 0
+        # Ray shows an actor only its own GPU (CUDA_VISIBLE_DEVICES), as device 0 (rank_device); likewise
+        # the replica's, where the driver runs (Rendezvous.driver_device_index 0).
+        run_worker(config, rendezvous, rank, 0, ranks_on_host)
 
 
 class RayWorkerLauncher(WorkerLauncher):
@@ -58,16 +60,21 @@ class RayWorkerLauncher(WorkerLauncher):
         rendezvous = Rendezvous(host, self.store.port, f"pagedserve-{uuid.uuid4().hex[:12]}", layout, rendezvous_timeout_s)
         self.rendezvous = rendezvous
         workers = [rank for rank in range(layout.world_size) if rank != layout.output_rank]
-        for bundle_index, rank in enumerate(workers, start=1):  # bundle 0 holds the replica and the driver
-            actor = EngineRankWorker.options(
-                name=f"{self.name}-rank{rank}",
-                num_cpus=self.bundle.get("CPU", 0),
-                num_gpus=self.bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=bundle_index),
-            ).remote()
-            self.actors.append(actor)
-            self.ranks.append(rank)
-            self.runs.append(actor.run.remote(config, rendezvous, rank, layout.world_size))
+        try:
+            for bundle_index, rank in enumerate(workers, start=1):  # bundle 0 holds the replica and the driver
+                actor = EngineRankWorker.options(
+                    name=f"{self.name}-rank{rank}",
+                    num_cpus=self.bundle.get("CPU", 0),
+                    num_gpus=self.bundle.get("GPU", 0),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group,
+                                                                         placement_group_bundle_index=bundle_index),
+                ).remote()
+                self.actors.append(actor)
+                self.ranks.append(rank)
+                self.runs.append(actor.run.remote(config, rendezvous, rank, layout.world_size))
+        except BaseException:
+            self.shutdown()
+            raise
         return rendezvous
 
     def failure(self) -> str | None:

@@ -9,7 +9,12 @@ when the writer's process dies, and the writer a broken pipe when a reader's doe
 
 A reader publishes how far it has read in the ring's header; the writer reuses a slot only once every
 local reader is past it (readers lag by a step or two at most: each step ends in collectives that need
-every rank)."""
+every rank).
+
+The ring's file is named as engine/shm_files.py names every file we put in /dev/shm (its owner's pid in
+it) and lives only while the readers connect: once each has mapped it, the writer unlinks it (the mappings
+stay), so an engine killed later leaves nothing there; one killed while its ranks connect leaves a file
+the next engine's sweep removes."""
 
 from __future__ import annotations
 
@@ -18,7 +23,6 @@ import mmap
 import pickle
 import socket
 import struct
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,8 +30,9 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from engine.shm_files import SHM_DIR, owned_prefix, sweep
+
 _HEADER = struct.Struct("<qqq")  # sequence number, payload bytes, 1 if the payload is in the ring
-_SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
@@ -47,28 +52,46 @@ class MessageQueueWriter:
         self.name, self.num_readers = name, num_readers
         self.num_slots, self.slot_bytes = num_slots, slot_bytes
         self.seq = 0
-        self.path = _SHM_DIR / f"{name}-mq"
+        sweep(SHM_DIR)  # rings (and staged KV) of engines killed before they could remove them
+        self.path = Path(SHM_DIR) / f"{owned_prefix('mq')}{name}"
         self._header_bytes = 8 * max(num_readers, 1)
         size = self._header_bytes + num_slots * slot_bytes
-        with open(self.path, "w+b") as f:
-            f.truncate(size)
-            self.ring = mmap.mmap(f.fileno(), size)
-        self.read_seq = np.frombuffer(self.ring, dtype=np.int64, count=max(num_readers, 1))
-        self.read_seq[:] = 0
-        self.listener = socket.create_server((host, 0))
-        port = self.listener.getsockname()[1]
-        store.set(f"{name}/mq", json.dumps({"host": host, "port": port, "path": str(self.path),
-                                             "num_slots": num_slots, "slot_bytes": slot_bytes,
-                                             "num_readers": num_readers}))
-        self.readers: list[tuple[socket.socket, bool]] = [None] * num_readers  # (socket, reads the ring)
-        self.listener.settimeout(timeout_s)
-        for _ in range(num_readers):
-            sock, _ = self.listener.accept()
-            sock.settimeout(None)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            index, local = struct.unpack("<qq", _recv_exactly(sock, 16))
-            self.readers[index] = (sock, bool(local))
-        self.listener.close()
+        self.readers: list[tuple[socket.socket, bool] | None] = [None] * num_readers  # (socket, reads the ring)
+        self.ring, self.read_seq = None, None
+        try:
+            with open(self.path, "w+b") as f:
+                f.truncate(size)
+                self.ring = mmap.mmap(f.fileno(), size)
+            self.read_seq = np.frombuffer(self.ring, dtype=np.int64, count=max(num_readers, 1))
+            self.read_seq[:] = 0
+            self._accept_readers(store, host, timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.path.unlink()  # every local reader has mapped the ring: the name has served its purpose
+
+    def _accept_readers(self, store: dist.Store, host: str, timeout_s: float) -> None:
+        with socket.create_server((host, 0)) as listener:
+            store.set(f"{self.name}/mq", json.dumps({
+                "host": host, "port": listener.getsockname()[1], "path": str(self.path), "num_slots": self.num_slots,
+                "slot_bytes": self.slot_bytes, "num_readers": self.num_readers}))
+            deadline = time.monotonic() + timeout_s
+            for connected in range(self.num_readers):
+                try:
+                    listener.settimeout(max(deadline - time.monotonic(), 0.001))
+                    sock, _ = listener.accept()
+                    try:
+                        sock.settimeout(max(deadline - time.monotonic(), 0.001))  # its hello, then blocking reads
+                        index, local = struct.unpack("<qq", _recv_exactly(sock, 16))
+                        sock.settimeout(None)
+                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    except BaseException:
+                        sock.close()
+                        raise
+                except TimeoutError:
+                    raise TimeoutError(f"message queue {self.name}: {connected} of {self.num_readers} readers "
+                                       f"connected within {timeout_s:g} s") from None
+                self.readers[index] = (sock, bool(local))
 
     def enqueue(self, obj: Any) -> None:
         """Broadcast `obj`; raises BrokenPipeError/ConnectionError if a reader is gone."""
@@ -95,7 +118,8 @@ class MessageQueueWriter:
             if reader is not None:
                 reader[0].close()
         self.read_seq = None
-        self.ring.close()
+        if self.ring is not None:
+            self.ring.close()
         self.path.unlink(missing_ok=True)
 
 

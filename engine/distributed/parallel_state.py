@@ -6,6 +6,11 @@ stage. Groups are process-group objects of their own (gloo on CPU, NCCL on GPU) 
 one TCPStore under the engine's unique prefix, never torch.distributed's global default group: several
 engines (tests, replicas sharing a host) can live in one process and on one host.
 
+Every tensor that crosses a group lives on the group's collective device (`collective_device`): NCCL moves
+only CUDA tensors, of the rank's own GPU; gloo moves CPU ones. The rank's tensors already live there (a rank
+on a GPU talks NCCL, a CPU rank gloo); the tensors a group makes itself (a barrier's, a reduced count's, a
+receive's buffers) are made there.
+
 Layers take their groups while they are built (`parallel_groups(...)` sets them for the duration) and
 keep them; a single-rank engine builds under the default groups of one, whose collectives return their
 input and touch nothing."""
@@ -50,14 +55,36 @@ class ParallelLayout:
         return [s * self.tensor_parallel_size + tp_rank for s in range(self.pipeline_parallel_size)]
 
 
+_CPU = torch.device("cpu")
+
+
+def collective_backend(device: torch.device) -> str:
+    """The backend a rank on `device` talks through: NCCL between GPUs, gloo between CPUs."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def collective_device(backend: str, device: torch.device) -> torch.device:
+    """Where a group's tensors must be for `backend`, from a member whose rank lives on `device`: NCCL
+    takes CUDA tensors of the rank's own GPU only, gloo CPU tensors."""
+    if backend == "nccl":
+        if device.type != "cuda" or device.index is None:
+            raise ValueError(f"nccl: a group member on {device} has no GPU of its own; NCCL moves CUDA tensors only")
+        return device
+    if backend == "gloo":
+        return _CPU
+    raise ValueError(f"backend: {backend!r} is neither nccl nor gloo")
+
+
 class GroupCoordinator:
     """One process group seen from one member: its rank in the group and the collectives over it."""
 
-    def __init__(self, ranks: list[int], global_rank: int, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, ranks: list[int], global_rank: int, group: dist.ProcessGroup | None,
+                 device: torch.device = _CPU) -> None:
         self.ranks = ranks
         self.global_rank = global_rank
         self.rank_in_group = ranks.index(global_rank)
         self.group = group  # None for a group of one: nothing to talk to
+        self.device = device  # the collective device: every tensor that crosses the group lives there
         self.busy_s = 0.0  # time spent in this group's collectives and receives (benchmarks read it)
         # Point-to-point waits take it explicitly (gloo's receive would otherwise wait forever).
         self.timeout = datetime.timedelta(minutes=30)
@@ -84,7 +111,7 @@ class GroupCoordinator:
     def all_reduce_min(self, value: int) -> int:
         if self.group is None:
             return value
-        t = torch.tensor([value], dtype=torch.int64)
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
         self.group.allreduce([t], _min_options()).wait()
         return int(t.item())
 
@@ -122,16 +149,16 @@ class GroupCoordinator:
 
     def barrier(self) -> None:
         if self.group is not None:
-            self.group.allreduce([torch.zeros(1)]).wait()
+            self.group.allreduce([torch.zeros(1, device=self.device)]).wait()
 
     def send(self, tensors: list[torch.Tensor], dst_in_group: int) -> list[dist.Work]:
         """Start sending; the caller waits on the returned works (with `self.timeout`) before reusing the
         tensors."""
         return [self.group.send([t.contiguous()], dst_in_group, i) for i, t in enumerate(tensors)]
 
-    def recv(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, src_in_group: int, device: torch.device) -> list[torch.Tensor]:
+    def recv(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, src_in_group: int) -> list[torch.Tensor]:
         start = time.perf_counter()
-        out = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
+        out = [torch.empty(shape, dtype=dtype, device=self.device) for shape in shapes]
         for i, t in enumerate(out):
             self.group.recv([t], src_in_group, i).wait(self.timeout)
         self.busy_s += time.perf_counter() - start
@@ -182,27 +209,32 @@ def parallel_groups(groups: ParallelGroups) -> Iterator[None]:
         _current = previous
 
 
-def _new_group(store: dist.Store, name: str, ranks: list[int], rank: int, backend: str,
-               timeout: datetime.timedelta) -> GroupCoordinator:
-    if len(ranks) == 1:
-        return GroupCoordinator(ranks, rank, None)
-    prefixed = dist.PrefixStore(name, store)
-    index = ranks.index(rank)
+def new_process_group(store: dist.Store, index: int, size: int, backend: str,
+                      timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A process group of `size` members meeting at `store`, this one the `index`-th."""
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        group = dist.ProcessGroupNCCL(prefixed, index, len(ranks), options)
-    else:
-        group = dist.ProcessGroupGloo(prefixed, index, len(ranks), timeout)
-    return GroupCoordinator(ranks, rank, group)
+        return dist.ProcessGroupNCCL(store, index, size, options)
+    return dist.ProcessGroupGloo(store, index, size, timeout)
 
 
-def init_parallel_groups(layout: ParallelLayout, rank: int, store: dist.Store, backend: str,
+def _new_group(store: dist.Store, name: str, ranks: list[int], rank: int, device: torch.device,
+               timeout: datetime.timedelta) -> GroupCoordinator:
+    backend = collective_backend(device)
+    group = None  # a group of one talks to nobody
+    if len(ranks) > 1:
+        group = new_process_group(dist.PrefixStore(name, store), ranks.index(rank), len(ranks), backend, timeout)
+    return GroupCoordinator(ranks, rank, group, collective_device(backend, device))
+
+
+def init_parallel_groups(layout: ParallelLayout, rank: int, store: dist.Store, device: torch.device,
                          timeout: datetime.timedelta) -> ParallelGroups:
-    """Create this rank's world, TP and PP groups; every rank of the engine calls this once, and each
-    group connects only its own members."""
+    """Create this rank's world, TP and PP groups, over the backend of the rank's `device` (NCCL for a
+    GPU, gloo for the CPU); every rank of the engine calls this once, and each group connects only its
+    own members."""
     tp_rank, pp_rank = layout.tp_rank(rank), layout.pp_rank(rank)
-    world = _new_group(store, "world", list(range(layout.world_size)), rank, backend, timeout)
-    tp = _new_group(store, f"tp{pp_rank}", layout.tp_ranks(pp_rank), rank, backend, timeout)
-    pp = _new_group(store, f"pp{tp_rank}", layout.pp_ranks(tp_rank), rank, backend, timeout)
+    world = _new_group(store, "world", list(range(layout.world_size)), rank, device, timeout)
+    tp = _new_group(store, f"tp{pp_rank}", layout.tp_ranks(pp_rank), rank, device, timeout)
+    pp = _new_group(store, f"pp{tp_rank}", layout.pp_ranks(tp_rank), rank, device, timeout)
     return ParallelGroups(world, tp, pp)

@@ -3,24 +3,22 @@ the multiproc launcher of worker processes (engine/executor/base.py explains the
 
 from __future__ import annotations
 
-import torch
-
 from engine.config import EngineConfig
 from engine.executor.base import Executor, WorkerLauncher
 from engine.executor.model_input import ModelInput
-from engine.executor.worker import Rendezvous, Worker
+from engine.executor.worker import Rendezvous, Worker, rank_device
 from engine.model_spec import ModelSpec
 
 
 def create_executor(config: EngineConfig, spec: ModelSpec, rendezvous: Rendezvous | None = None,
                     extra_bytes_per_block: int = 0) -> Executor:
     """The executor of an engine: `uni` for one rank; otherwise the distributed driver, attached to
-    workers a launcher already started (`rendezvous`), or to worker processes it spawns itself (`mp`)."""
+    workers a launcher already started (`rendezvous`), or to worker processes it spawns itself (`mp`). The
+    driver rank's device is the executor's `driver_worker.device`."""
     if config.world_size == 1:
         from engine.executor.uniproc import UniProcExecutor
 
-        device = torch.device("cuda", 0) if spec.device_type == "cuda" else torch.device("cpu")
-        return UniProcExecutor(config, spec, device, extra_bytes_per_block)
+        return UniProcExecutor(config, spec, rank_device(spec.device_type, 0), extra_bytes_per_block)
     from engine.executor.distributed import DistributedExecutor
 
     launcher = None
@@ -34,7 +32,7 @@ def create_executor(config: EngineConfig, spec: ModelSpec, rendezvous: Rendezvou
 
         launcher = ProcessLauncher()
         rendezvous = launcher.launch(config, config.step_timeout_s)
-    device = torch.device("cuda", rendezvous.driver_device_index) if spec.device_type == "cuda" else torch.device("cpu")
+    device = rank_device(spec.device_type, rendezvous.driver_device_index)
     return DistributedExecutor(config, spec, rendezvous, device, launcher, extra_bytes_per_block)
 
 

@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.distributed.message_queue import MessageQueueWriter
@@ -31,19 +32,20 @@ class DistributedExecutor(Executor):
         super().__init__()
         self.rendezvous, self.launcher = rendezvous, launcher  # a launcher given here is ours to stop
         self.layout = rendezvous.layout
-        self.store = rendezvous.connect()
+        self.store: dist.Store | None = None
         self.queue: MessageQueueWriter | None = None
         watchdog = _InitWatchdog(launcher) if launcher is not None else None
         try:
+            self.store = rendezvous.connect()
             self.driver_worker = init_rank(config, spec, rendezvous, self.layout.output_rank, device, self.store,
                                            extra_bytes_per_block)
             # Every rank passed the setup's collectives: each is up and about to connect.
             self.queue = MessageQueueWriter(self.store, step_queue_name(rendezvous), self.layout.world_size - 1,
                                             host=rendezvous.host, timeout_s=INIT_TIMEOUT.total_seconds())
-        except Exception as e:
-            failure = self._failure(e)
+        except BaseException as e:  # the workers are up: whatever happened, they go too
+            failure = self._failure(e) if isinstance(e, Exception) else None
             self.shutdown()
-            if isinstance(e, ValueError):  # a config the model cannot take: the caller's error
+            if failure is None or isinstance(e, ValueError):  # ValueError: a config the model cannot take
                 raise
             raise failure from e
         finally:
@@ -80,7 +82,7 @@ class DistributedExecutor(Executor):
 
     def _failure(self, error: BaseException) -> WorkerFailedError:
         reasons = []
-        for rank in range(self.layout.world_size):
+        for rank in range(self.layout.world_size if self.store is not None else 0):
             key = f"error/{rank}"
             try:
                 if self.store.check([key]):

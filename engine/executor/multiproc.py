@@ -33,13 +33,18 @@ class ProcessLauncher(WorkerLauncher):
                                 rendezvous_timeout_s, driver_device_index=layout.output_rank)
         self.rendezvous = rendezvous
         ctx = process_context()
-        for rank in range(layout.world_size):
-            if rank == layout.output_rank:
-                continue
-            process = ctx.Process(target=run_worker, args=(config, rendezvous, rank, rank, layout.world_size),
-                                  name=f"pagedserve-rank-{rank}", daemon=True)
-            process.start()
-            self.processes.append(process)
+        try:
+            for rank in range(layout.world_size):
+                if rank == layout.output_rank:
+                    continue
+                # On one host, rank r runs on GPU r (rank_device); the driver on GPU output_rank.
+                process = ctx.Process(target=run_worker, args=(config, rendezvous, rank, rank, layout.world_size),
+                                      name=f"pagedserve-rank-{rank}", daemon=True)
+                process.start()
+                self.processes.append(process)
+        except BaseException:
+            self.shutdown()
+            raise
         return rendezvous
 
     def failure(self) -> str | None:

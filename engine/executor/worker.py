@@ -45,12 +45,26 @@ class Rendezvous:
     name: str
     layout: ParallelLayout
     timeout_s: float  # a step's collectives; a peer silent this long is dead
-    driver_device_index: int = 0  # the driver's GPU on its host (CUDA only)
+    driver_device_index: int = 0  # the driver's GPU among those its process sees (CUDA only; rank_device)
 
     def connect(self) -> dist.Store:
         """The store, scoped to this engine's name."""
         store = dist.TCPStore(self.host, self.port, is_master=False, timeout=INIT_TIMEOUT)
         return dist.PrefixStore(self.name, store)
+
+
+def rank_device(device_type: str, device_index: int) -> torch.device:
+    """A rank's one device: the GPU its launcher gave it (`device_index` among the GPUs its process sees:
+    the rank's number for the multiproc launcher, which puts every rank on one host; 0 for a Ray actor,
+    which sees only its own GPU), or the CPU. Every tensor of the rank is made there."""
+    return torch.device("cuda", device_index) if device_type == "cuda" else torch.device("cpu")
+
+
+def start_rank(device: torch.device) -> None:
+    """Make `device` the process's current GPU, once, as the rank starts: what NCCL and any tensor made
+    on plain "cuda" (a library's) use; else GPU 0 for every rank of a host."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 class Worker:
@@ -86,8 +100,8 @@ class Worker:
 
     def kv_bytes_per_block(self) -> int:
         layer = self.model.attention_layers[0]
-        elem = torch.empty(0, dtype=self.spec.dtype).element_size()
-        return 2 * len(self.model.attention_layers) * layer.num_kv_heads * layer.head_dim * self.config.block_size * elem
+        return (2 * len(self.model.attention_layers) * layer.num_kv_heads * layer.head_dim * self.config.block_size
+                * self.spec.dtype.itemsize)
 
     def num_kv_blocks(self, extra_bytes_per_block: int = 0) -> int:
         """KV blocks this rank's budget holds (per rank: `kv_cache_memory_gb` is each rank's budget)."""
@@ -146,7 +160,7 @@ class Worker:
         pp = self.pp
         if pp is not None and not pp.is_first:
             shape = (inp.num_tokens, self.spec.model_config.hidden_size)
-            intermediate = tuple(pp.recv([shape, shape], self.spec.dtype, pp.rank_in_group - 1, dev))
+            intermediate = tuple(pp.recv([shape, shape], self.spec.dtype, pp.rank_in_group - 1))
         out = self.model(input_ids, positions, self.attn_backend, intermediate)
         last_stage = pp is None or pp.is_last
         if not last_stage:  # hidden states on their way to the next stage before anything else
@@ -182,8 +196,8 @@ def init_rank(config: EngineConfig, spec: ModelSpec, rendezvous: Rendezvous, ran
               store: dist.Store, extra_bytes_per_block: int = 0) -> Worker:
     """Join the engine's groups, build this rank's part of the model and its KV cache. Every rank runs
     these collectives in this order: groups, then the KV block count (the smallest budget wins)."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    groups = init_parallel_groups(rendezvous.layout, rank, store, backend, INIT_TIMEOUT)
+    start_rank(device)
+    groups = init_parallel_groups(rendezvous.layout, rank, store, device, INIT_TIMEOUT)
     worker = Worker(config, spec, device, groups)
     store.set(f"weight_bytes/{rank}", str(worker.weight_bytes))
     num_blocks = groups.world.all_reduce_min(worker.num_kv_blocks(extra_bytes_per_block))
@@ -201,8 +215,7 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous, rank: int, device_i
     store = rendezvous.connect()
     try:
         spec = ModelSpec.resolve(config)
-        device = torch.device("cuda", device_index) if spec.device_type == "cuda" else torch.device("cpu")
-        worker = init_rank(config, spec, rendezvous, rank, device, store)
+        worker = init_rank(config, spec, rendezvous, rank, rank_device(spec.device_type, device_index), store)
         queue = MessageQueueReader(store, step_queue_name(rendezvous), reader_index(rendezvous.layout, rank))
         while True:
             kind, payload = queue.dequeue()

@@ -20,6 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.request import Request
+from engine.shm_files import SHM_DIR
 
 
 class KVTransferConfig(BaseModel):
@@ -34,7 +35,13 @@ class KVTransferConfig(BaseModel):
     lease_s: float = Field(
         30.0, gt=0, description="A producer holds a finished request's blocks this long at most; a consumer's "
         "confirmation releases them earlier.")
-    staging_dir: str | None = Field(None, description="Directory of staged KV files; default /dev/shm.")
+    staging_dir: str | None = Field(
+        None, description="Directory of staged KV files (default /dev/shm); the engine refuses to start when it "
+        "cannot create files there.")
+
+    @property
+    def directory(self) -> str:
+        return self.staging_dir or SHM_DIR
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,7 @@ class KVLayout:
 class KVLoad:
     """A request's KV to load in this step: tokens [start, end) of the staged KV `name` into its blocks."""
 
+    request_id: str
     name: str
     block_ids: list[int]
     start: int
@@ -97,7 +105,12 @@ class KVConnector(ABC):
 
     @abstractmethod
     def build_connector_meta(self, requests: list[Request], num_scheduled_tokens: list[int]) -> KVConnectorMetadata:
-        """The loads and saves of the step about to run (resets the pending loads)."""
+        """The loads and saves of the step about to run: the pending loads of `requests` stay pending until
+        `loads_done`, so that a failed step's requests, retried one by one, load their KV again."""
+
+    @abstractmethod
+    def loads_done(self, meta: KVConnectorMetadata) -> None:
+        """Every rank ran the step of `meta`: its loads are done."""
 
     @abstractmethod
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

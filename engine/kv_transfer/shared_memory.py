@@ -4,7 +4,11 @@ A producer's ranks save a finished prompt's KV, layer by layer, into `<name>.ran
 2, tokens, kv heads, head dim] in the model's dtype); a consumer's ranks load such files into their
 blocks. Between two engines on one host the files are the transfer; across hosts a transport moves them
 (serve_app/disaggregation/transfer.py puts them in Ray's object store on the prefill side and writes them
-back on the decode side). Staging costs one copy out of the blocks (gather) and one copy into them (scatter)."""
+back on the decode side). Staging costs one copy out of the blocks (gather) and one copy into them (scatter).
+Names follow engine/shm_files.py (the owner's pid in each), whose sweep removes what a dead owner left.
+
+Staged KV carries what it was computed with, and a consumer loads only KV that fits the request: the layout
+(layers, heads, dtype per rank) and the LoRA adapter's weight digest (None: the base model)."""
 
 from __future__ import annotations
 
@@ -22,30 +26,18 @@ from engine.kv_transfer.base import KVConnector, KVConnectorMetadata, KVLayout, 
 from engine.models.config import ModelConfig
 from engine.models.llama import pp_layer_range
 from engine.request import Request, RequestStatus
+from engine.shm_files import check_writable_dir, owner, sweep
 from kernels.attention.backend import kv_rows
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_DIR = "/dev/shm" if Path("/dev/shm").is_dir() else "/tmp"
 _SWEEP_INTERVAL_S = 10.0
 
 
-def staged_prefix(kind: str) -> str:
-    """`kv` (a producer's) or `rx` (received) and the writing process's pid: when that process is gone its
-    files are orphans, and any engine on the host may delete them."""
-    return f"{kind}-{os.getpid()}-"
-
-
-def _orphaned(name: str) -> bool:
-    try:
-        os.kill(int(name.split("-")[1]), 0)
-    except (IndexError, ValueError):
-        return False
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, someone else's
-        return False
-    return False
+def is_staged_name(name: Any) -> bool:
+    """A staged KV's name as an engine or a decode replica makes it (engine/shm_files.py): nothing else may
+    name a file this connector reads or deletes."""
+    return isinstance(name, str) and "/" not in name and (owner(name) or ("", 0))[0] in ("kv", "rx")
 
 
 def staged_path(directory: str, name: str, rank: int) -> Path:
@@ -64,18 +56,24 @@ def kv_layout(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtyp
 class SharedMemoryConnector(KVConnector):
     def __init__(self, config: KVTransferConfig, engine_id: str, layout: KVLayout, block_size: int,
                  dtype: torch.dtype, rank: int = 0, layers_per_rank: list[int] | None = None) -> None:
-        """`layers_per_rank`: how many layers each rank holds (pipeline stages), to check staged sizes."""
+        """`layers_per_rank`: how many layers each rank holds (pipeline stages), to check staged sizes. Refuses
+        a staging directory it cannot write (every transfer would fail), and sweeps it of files whose
+        owner died."""
         self.config, self.engine_id, self.layout = config, engine_id, layout
         self.block_size, self.dtype, self.rank = block_size, dtype, rank
-        self.directory = config.staging_dir or _DEFAULT_DIR
+        self.directory = config.directory
+        check_writable_dir(self.directory, "kv_transfer_config.staging_dir")
+        sweep(self.directory)
         self.layers_per_rank = layers_per_rank or [layout.num_layers]
         self.produces = config.kv_role in ("kv_producer", "kv_both")
         self.consumes = config.kv_role in ("kv_consumer", "kv_both")
-        self._pending_loads: list[KVLoad] = []
+        # Loads scheduled but not yet done, by request: a step that fails is retried request by request
+        # (LLMEngine._execute_isolated), and each retry must load its request's KV again.
+        self._pending_loads: dict[str, KVLoad] = {}
         self._held: dict[str, tuple[Request, float, str]] = {}  # request id -> (request, lease end, staged name)
         self._released: set[str] = set()
         self._saving: dict[str, torch.Tensor] = {}  # this step's staged tensors, by name (worker side)
-        self._next_sweep = 0.0
+        self._next_sweep = time.monotonic() + _SWEEP_INTERVAL_S
 
     # --- scheduler side --------------------------------------------------------------------------------
 
@@ -87,9 +85,16 @@ class SharedMemoryConnector(KVConnector):
         params = request.kv_transfer_params
         if not self.consumes or not params or "name" not in params or request.wants_prompt_logprobs:
             return 0
+        if not is_staged_name(params["name"]):
+            logger.warning("request %s: %r names no staged KV; recomputing", request.request_id, params["name"])
+            return 0
         if params.get("layout") != self.layout.as_dict():
             logger.warning("request %s: staged KV of layout %s does not fit this engine's %s; recomputing",
                            request.request_id, params.get("layout"), self.layout.as_dict())
+            return 0
+        if params.get("lora_digest") != request.lora_digest:  # KV of another adapter's (or the base model's) weights
+            logger.warning("request %s: staged KV was computed under LoRA digest %s, the request runs under %s; "
+                           "recomputing", request.request_id, params.get("lora_digest"), request.lora_digest)
             return 0
         end = min(int(params["num_tokens"]), request.num_prompt_tokens - 1)  # the last token is recomputed
         if end <= num_computed_tokens or not self._staged_complete(params["name"], int(params["num_tokens"])):
@@ -111,8 +116,8 @@ class SharedMemoryConnector(KVConnector):
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         if num_external_tokens:
             start = request.num_computed_tokens
-            self._pending_loads.append(KVLoad(request.kv_transfer_params["name"], list(block_ids), start,
-                                              start + num_external_tokens))
+            self._pending_loads[request.request_id] = KVLoad(request.request_id, request.kv_transfer_params["name"],
+                                                             list(block_ids), start, start + num_external_tokens)
 
     def build_connector_meta(self, requests: list[Request], num_scheduled_tokens: list[int],
                              block_ids: list[list[int]] | None = None) -> KVConnectorMetadata:
@@ -123,12 +128,18 @@ class SharedMemoryConnector(KVConnector):
                 prompt = request.num_prompt_tokens
                 if params and params.get("do_remote_decode") and request.num_computed_tokens < prompt <= request.num_computed_tokens + n:
                     saves.append(KVSave(self.staged_name(request), list(block_ids[j]), prompt))
-        meta, self._pending_loads = KVConnectorMetadata(self._pending_loads, saves), []
-        return meta
+        loads = [self._pending_loads[r.request_id] for r in requests if r.request_id in self._pending_loads]
+        return KVConnectorMetadata(loads, saves)
+
+    def loads_done(self, meta: KVConnectorMetadata) -> None:
+        for load in meta.loads:
+            self._pending_loads.pop(load.request_id, None)
+            self.discard(load.name)  # every rank has loaded it: the staged files are spent
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
-        if self.consumes and params and "name" in params:  # loaded, or never will be: either way spent
+        self._pending_loads.pop(request.request_id, None)
+        if self.consumes and params and is_staged_name(params.get("name")):  # loaded, or never will be: spent
             self.discard(params["name"])
         if not self.produces or not params or not params.get("do_remote_decode"):
             return False, None
@@ -140,11 +151,13 @@ class SharedMemoryConnector(KVConnector):
         self._held[request.request_id] = (request, time.monotonic() + self.config.lease_s, name)
         return True, {"name": name, "num_tokens": request.num_prompt_tokens, "layout": self.layout.as_dict(),
                       "num_ranks": len(self._layers_of_ranks()), "cached_tokens": max(request.num_cached_tokens, 0),
-                      "engine_id": self.engine_id, "request_id": request.request_id, "lease_s": self.config.lease_s}
+                      "engine_id": self.engine_id, "request_id": request.request_id, "lease_s": self.config.lease_s,
+                      "lora_digest": request.lora_digest}
 
     def get_finished(self, now: float) -> list[Request]:
         if now >= self._next_sweep:
-            self.remove_stale_files(older_than_s=max(600.0, 10 * self.config.lease_s))
+            self._next_sweep = now + _SWEEP_INTERVAL_S
+            sweep(self.directory, older_than_s=max(600.0, 10 * self.config.lease_s))
         done = [rid for rid, (_, end, _) in self._held.items() if rid in self._released or now >= end]
         freed = []
         for rid in done:
@@ -162,24 +175,16 @@ class SharedMemoryConnector(KVConnector):
     def num_held(self) -> int:
         return len(self._held)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether a finished request of this id still holds its blocks for a consumer: a new request of the
+        same id would share its block table and its staged file."""
+        return request_id in self._held
+
     def discard_held(self) -> None:
         """The engine stops: its staged KV will never be fetched."""
         for _, _, name in self._held.values():
             self.discard(name)
         self._held.clear()
-
-    def remove_stale_files(self, older_than_s: float) -> None:
-        """Staged KV left behind by processes that died (a file in /dev/shm outlives its writer): delete the
-        files whose writer is gone, and those older than any lease (`older_than_s`, for writers in
-        another pid namespace)."""
-        horizon = time.time() - older_than_s
-        self._next_sweep = time.monotonic() + _SWEEP_INTERVAL_S
-        for path in Path(self.directory).glob("*.rank*.kv"):
-            try:
-                if path.name.startswith(("kv-", "rx-")) and (_orphaned(path.name) or path.stat().st_mtime < horizon):
-                    path.unlink()
-            except FileNotFoundError:
-                pass
 
     def discard(self, name: str) -> None:
         """Delete a staged KV's files (every rank's: they share this host)."""

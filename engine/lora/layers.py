@@ -24,8 +24,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.lora.peft import LoRAAdapter
+from engine.lora.peft import SHARED_EXPERT, LoRAAdapter
 from engine.models.layers.linear import ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, RowParallelLinear
+from engine.models.llama import MLP
 
 # Our fused module -> the Hugging Face projections it holds, in its sub-projection order.
 FUSED_MODULES = {
@@ -154,6 +155,21 @@ class LinearWithLoRA(nn.Module):
         return base.tp_group.all_reduce(y) if base.reduce_results and base.tp_size > 1 else y
 
 
+def lora_projections(layer: nn.Module) -> list[tuple[nn.Module, str, list[str]]]:
+    """(parent, attribute, Hugging Face sub-projections) of each linear layer of a decoder layer that adapters
+    may reach (engine/lora/peft.py targetable_projections): the attention's; the MLP of a dense layer; the
+    shared expert of a sparse mixture-of-experts block (its experts and router never)."""
+    attn = layer.self_attn
+    found = [(attn, "qkv_proj", FUSED_MODULES["qkv_proj"]), (attn, "o_proj", FUSED_MODULES["o_proj"])]
+    if isinstance(layer.mlp, MLP):
+        mlp, prefix = layer.mlp, ""
+    else:  # a sparse block
+        mlp, prefix = getattr(layer.mlp, "shared_expert", None), SHARED_EXPERT
+    if mlp is not None:
+        found += [(mlp, attr, [prefix + m for m in FUSED_MODULES[attr]]) for attr in ("gate_up_proj", "down_proj")]
+    return found
+
+
 class LoRASlots:
     """One rank's adapter slots: wraps the model's attention and MLP projections at construction, then
     loads slots (on every rank, through Executor.collective_rpc) and takes each step's token slots."""
@@ -164,11 +180,9 @@ class LoRASlots:
         self.layers: list[LinearWithLoRA] = []
         decoder = model.model
         for index in range(decoder.start_layer, decoder.end_layer):
-            layer = decoder.layers[index]
-            for parent, attr in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                                 (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
-                wrapper = LinearWithLoRA(getattr(parent, attr), index, FUSED_MODULES[attr], max_loras, max_rank,
-                                         self.batch, dtype, device)
+            for parent, attr, modules in lora_projections(decoder.layers[index]):
+                wrapper = LinearWithLoRA(getattr(parent, attr), index, modules, max_loras, max_rank, self.batch, dtype,
+                                         device)
                 setattr(parent, attr, wrapper)
                 self.layers.append(wrapper)
 

@@ -5,10 +5,16 @@ A PEFT folder holds `adapter_config.json` (r, lora_alpha, target_modules, use_rs
 [r, in] and `...lora_B.weight` [out, r] (some exporters drop one `model.`). The adapter adds
 scale * B @ A to the projection's weight, scale = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA).
 
-What we refuse, each with a message naming the field: DoRA (`use_dora`), `modules_to_save` (full copies
-of modules), per-module ranks or alphas (`rank_pattern`, `alpha_pattern`), trained biases (`bias`),
-`fan_in_fan_out`, ranks above `max_lora_rank`, adapters on modules other than the attention and MLP
-projections (embeddings, LM head), and tensors whose shapes do not fit the base model.
+Mixture-of-experts models (engine/models/moe.py): adapters may target the attention projections, the
+MLPs of dense layers (Qwen's `mlp_only_layers`) and Qwen2-MoE's shared expert
+(`mlp.shared_expert.{gate,up,down}_proj`), never the experts or the router: a token's experts differ per
+token, and a per-expert delta would need a grouped LoRA kernel we do not have.
+
+What we refuse, each with a message naming the field or the module: DoRA (`use_dora`), `modules_to_save`
+(full copies of modules), per-module ranks or alphas (`rank_pattern`, `alpha_pattern`), trained biases
+(`bias`), `fan_in_fan_out`, `target_parameters` (PEFT's LoRA of raw parameters: MoE experts), ranks above
+`max_lora_rank`, adapters on modules other than the projections above (embeddings, LM head, experts,
+router), and tensors whose shapes do not fit the base model.
 
 The digest is the adapter's identity in the prefix cache (engine/block_hash.py): blake2b of the canonical
 config (rank, scale) and every tensor, name, dtype, shape and bytes. Two names for the same files share KV
@@ -28,16 +34,18 @@ from safetensors import SafetensorError, safe_open
 
 from engine.models.config import ModelConfig
 
-# The projections an adapter may target, as Hugging Face names them, and the block holding each.
-TARGET_MODULES = {
-    "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-    "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
-}
+# The projections an adapter may target, as Hugging Face names them.
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
+SHARED_EXPERT = "shared_expert."  # the prefix of a Qwen2-MoE shared expert's projections in a ModuleKey
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+# layers.{i}.{module path}.lora_{A|B}: the path is e.g. self_attn.q_proj, mlp.shared_expert.up_proj, mlp.experts
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.([\w.]+?)\.lora_([AB])(?:\.default)?\.weight$")
+_EXPERTS = re.compile(r"(^|\.)(experts|block_sparse_moe)(\.|$)")  # any MoE expert weight, whatever the exporter
 
-# (layer index, Hugging Face module name, e.g. "q_proj")
+# (layer index, module name: "q_proj", "gate_proj", or "shared_expert.gate_proj")
 ModuleKey = tuple[int, str]
 
 
@@ -73,8 +81,8 @@ def read_adapter_config(path: Path, name: str, max_lora_rank: int) -> dict:
     if not file.is_file():
         raise _refuse(name, f"{CONFIG_FILE} not found in the adapter folder")
     try:
-        config = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+        config = json.loads(file.read_text())  # OSError: load_peft_adapter names the unreadable folder
+    except (UnicodeDecodeError, ValueError) as e:
         raise _refuse(name, f"{CONFIG_FILE} is not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise _refuse(name, f"{CONFIG_FILE} must hold a JSON object")
@@ -103,11 +111,16 @@ def read_adapter_config(path: Path, name: str, max_lora_rank: int) -> dict:
         raise _refuse(name, f"`bias` is {config['bias']!r}: trained biases are not supported (only 'none')")
     if config.get("fan_in_fan_out"):
         raise _refuse(name, "`fan_in_fan_out` is true: only adapters of nn.Linear layers (fan_in_fan_out=false) are supported")
+    if config.get("target_parameters"):
+        raise _refuse(name, f"`target_parameters` ({config['target_parameters']}) is not supported: LoRA on raw "
+                      "parameters (a mixture-of-experts model's experts) is not served; target the attention "
+                      f"projections {list(ATTENTION_MODULES)} instead")
     targets = config["target_modules"]
-    if isinstance(targets, list):
-        unknown = sorted(set(targets) - set(TARGET_MODULES))
+    if isinstance(targets, list):  # PEFT matches an entry against the end of a module's name
+        unknown = sorted(t for t in targets if str(t).rsplit(".", 1)[-1] not in TARGET_MODULES)
         if unknown:
-            raise _refuse(name, f"`target_modules` names {unknown}; adapters may target {sorted(TARGET_MODULES)}")
+            raise _refuse(name, f"`target_modules` names {unknown}; adapters may target {sorted(TARGET_MODULES)} "
+                          "(a mixture-of-experts model's experts and router excepted)")
     return config
 
 
@@ -118,7 +131,14 @@ def adapter_scale(config: dict) -> float:
 
 def load_peft_adapter(name: str, int_id: int, path: str | Path, model_config: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
     """Read and validate a PEFT adapter folder against the base model. Raises ValueError naming the problem
-    (a corrupt or mismatched adapter), never anything else for bad files."""
+    (a corrupt, mismatched or unreadable adapter), never anything else for bad files."""
+    try:
+        return _read_adapter(name, int_id, path, model_config, max_lora_rank)
+    except OSError as e:  # permissions, a name too long, a file gone: the path is the caller's to fix
+        raise _refuse(name, f"cannot read the adapter folder {path} ({type(e).__name__}: {e})") from None
+
+
+def _read_adapter(name: str, int_id: int, path: str | Path, model_config: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
     folder = Path(path)
     if not folder.is_dir():
         raise _refuse(name, f"{path} is not an adapter folder")
@@ -128,22 +148,11 @@ def load_peft_adapter(name: str, int_id: int, path: str | Path, model_config: Mo
     if not weights_file.is_file():
         raise _refuse(name, f"{WEIGHTS_FILE} not found in the adapter folder (adapter_model.bin is not read: "
                       "re-save with safe_serialization)")
-    base_shapes = _projection_shapes(model_config)
     tensors: dict[tuple[int, str, str], torch.Tensor] = {}
     try:
         with safe_open(str(weights_file), framework="pt") as f:
             for key in f.keys():
-                match = _KEY.match(key)
-                if match is None:
-                    raise _refuse(name, f"tensor {key!r} is not a LoRA A/B weight of an attention or MLP projection "
-                                  f"(adapters on embeddings, the LM head or biases are not supported)")
-                layer, block, module, which = int(match[1]), match[2], match[3], match[4]
-                if TARGET_MODULES.get(module) != block:
-                    raise _refuse(name, f"tensor {key!r} targets {block}.{module}, which the base model does not have; "
-                                  f"adapters may target {sorted(TARGET_MODULES)}")
-                if layer >= model_config.num_hidden_layers:
-                    raise _refuse(name, f"tensor {key!r} is for layer {layer}; the base model has "
-                                  f"{model_config.num_hidden_layers} layers")
+                layer, module, which = _parse_key(name, key, model_config)
                 tensors[(layer, module, which)] = f.get_tensor(key)
     except SafetensorError as e:
         raise _refuse(name, f"{WEIGHTS_FILE} is not a readable safetensors file ({e})") from None
@@ -160,7 +169,7 @@ def load_peft_adapter(name: str, int_id: int, path: str | Path, model_config: Mo
         where = f"layers.{layer}.{module}"
         if b is None:
             raise _refuse(name, f"{where} has lora_A but no lora_B")
-        out_features, in_features = base_shapes[module]
+        out_features, in_features = targetable_projections(model_config, layer)[module]
         if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
             raise _refuse(name, f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the base model "
                           f"(expected {(rank, in_features)} and {(out_features, rank)} for r={rank}); is it an adapter "
@@ -180,9 +189,37 @@ def load_peft_adapter(name: str, int_id: int, path: str | Path, model_config: Mo
     return LoRAAdapter(name, int_id, str(path), rank, scale, digest.hexdigest(), weights)
 
 
-def _projection_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(out, in) features of each projection of a decoder layer."""
-    h, i = c.hidden_size, c.intermediate_size
+def _parse_key(name: str, key: str, c: ModelConfig) -> tuple[int, str, str]:
+    """(layer, module, "A" or "B") of a tensor of the adapter, refusing one the base model cannot take."""
+    match = _KEY.match(key)
+    if match is None:
+        raise _refuse(name, f"tensor {key!r} is not a LoRA A/B weight of an attention or MLP projection "
+                      f"(adapters on embeddings, the LM head or biases are not supported)")
+    layer, path, which = int(match[1]), match[2], match[3]
+    if layer >= c.num_hidden_layers:
+        raise _refuse(name, f"tensor {key!r} is for layer {layer}; the base model has {c.num_hidden_layers} layers")
+    allowed = sorted(targetable_projections(c, layer))
+    if _EXPERTS.search(path):
+        raise _refuse(name, f"tensor {key!r} targets the experts of a mixture-of-experts layer "
+                      f"(layers.{layer}.{path}); adapters on expert weights are not supported: layer {layer} "
+                      f"of {c.architecture} may be targeted at {allowed}")
+    block, _, module = path.partition(".")
+    if module in allowed and block == ("self_attn" if module in ATTENTION_MODULES else "mlp"):
+        return layer, module, which
+    raise _refuse(name, f"tensor {key!r} targets layers.{layer}.{path}, which adapters may not target in the base "
+                  f"model; layer {layer} of {c.architecture} may be targeted at {allowed}")
+
+
+def targetable_projections(c: ModelConfig, layer: int) -> dict[str, tuple[int, int]]:
+    """Module name -> (out, in) features of each projection of decoder layer `layer` an adapter may target:
+    the attention's; the MLP's in a dense layer; the shared expert's in a sparse one (never its experts)."""
+    h = c.hidden_size
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
+    if c.moe is None or not c.moe.is_moe_layer(layer):
+        prefix, i = "", c.intermediate_size
+    elif c.moe.shared_expert_intermediate_size:
+        prefix, i = SHARED_EXPERT, c.moe.shared_expert_intermediate_size
+    else:
+        return shapes
+    return shapes | {f"{prefix}gate_proj": (i, h), f"{prefix}up_proj": (i, h), f"{prefix}down_proj": (h, i)}

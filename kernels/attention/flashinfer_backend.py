@@ -4,8 +4,10 @@ layout the torch backend uses too. FlashInfer wants each sequence's pages as CSR
 last page length); `paged_kv_csr` builds them from the block tables once per step, and `plan` hands
 them to both wrappers, which then serve every layer of the step.
 
-Unverified here: our CPU-only machines cannot run FlashInfer's kernels (benchmarks/gpu_check.sh does,
-on a GPU). The CSR construction is tested on CPU."""
+Unverified here: our CPU-only machines cannot run FlashInfer's kernels. benchmarks/gpu_check.sh compares
+them with the torch backend on a GPU where flashinfer can be installed (its wheel is larger than what a run
+on our lent GPUs may carry, so there it has not run either). The CSR construction is tested on CPU
+(tests/kernels/test_flashinfer_plan.py)."""
 
 from __future__ import annotations
 

@@ -3,9 +3,13 @@ build per CPU type; `make install` compiles them all ahead, side by side (`pytho
 
 `load_cpu_kernels()` (paged attention), `load_linear_kernels()` (linear layers over float32, int8 and int4
 weight panels), `load_moe_kernels()` (mixture-of-experts layers) and `load_elementwise_kernels()` (RMSNorm,
-rotary embeddings) return a compiled module, or None when no
-compiler is available; callers then fall back to a pure-torch path. One module each: each rebuilds only when
-its own sources change, and a model compiles only the kernels it runs."""
+rotary embeddings) return a compiled module. One module each: each rebuilds only when its own sources change,
+and a model compiles only the kernels it runs.
+
+Where there is no toolchain (no compiler, or no ninja) they return None, after one warning naming every
+kernel lost, and callers fall back to their pure-torch paths. Where there is one, a kernel that fails to build
+raises KernelBuildError with the compiler's output: a C++ regression must fail the build step and the tests,
+not pass unseen as a slower engine."""
 
 from __future__ import annotations
 
@@ -14,38 +18,80 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
+import shutil
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "paged_attention.cpp"]
-_LINEAR_SOURCES = [Path(__file__).parent / "panel_linear.cpp"]
-_MOE_SOURCES = [Path(__file__).parent / "fused_moe.cpp"]
-_ELEMENTWISE_SOURCES = [Path(__file__).parent / "elementwise.cpp"]
+# kernel -> (module name, source): the names the build errors and the one fallback warning give.
+_KERNELS = {
+    "paged attention": ("pagedserve_cpu_kernels", "paged_attention.cpp"),
+    "linear": ("pagedserve_linear_kernels", "panel_linear.cpp"),
+    "mixture-of-experts": ("pagedserve_moe_kernels", "fused_moe.cpp"),
+    "elementwise (RMSNorm, rotary)": ("pagedserve_elementwise_kernels", "elementwise.cpp"),
+}
 _HEADERS = [Path(__file__).parent / h for h in ("work_sharing.h", "vec16.h")]  # torch keys a build by its sources only
 # Extra compiler flags, e.g. "-mno-avx512f" to build (and test) the AVX2 paths on an AVX-512 machine.
 _EXTRA_CFLAGS = os.environ.get("PAGEDSERVE_CPU_CFLAGS", "").split()
 
 
+class KernelBuildError(RuntimeError):
+    """A CPU kernel failed to compile although a toolchain is present."""
+
+
+def missing_toolchain() -> str | None:
+    """What torch's extension builder lacks here (the compiler it would run, or ninja), or None."""
+    cxx = os.environ.get("CXX", "c++")  # torch's own choice (cpp_extension.get_cxx_compiler)
+    if not shutil.which((shlex.split(cxx) or [""])[0]):
+        return f"no C++ compiler: {cxx!r}{' (from $CXX)' if 'CXX' in os.environ else ''} not found"
+    if not shutil.which("ninja") and not _put_pip_ninja_on_path():
+        return "no ninja on PATH"
+    return None
+
+
+def _put_pip_ninja_on_path() -> bool:
+    # torch runs `ninja` from PATH, where a venv's own (the pip package we depend on) is only once activated:
+    # `.venv/bin/python -m kernels.cpu`, as `make install` runs it, would otherwise build nothing.
+    try:
+        import ninja
+    except ImportError:
+        return False
+    os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+    return shutil.which("ninja") is not None
+
+
+@functools.cache
+def _warn_fallback_once() -> None:
+    logger.warning("CPU kernels not compiled (%s): the %s kernels are lost, using the slower pure-torch paths "
+                   "instead. Install a C++ compiler and ninja (or set CXX) to compile them.",
+                   missing_toolchain(), ", ".join(_KERNELS))
+
+
 def _build_signature() -> str:
     # -march=native code must not run on another CPU: key the build folder by the CPU's flags, by the extra
-    # compiler flags, and by the shared headers, whose changes torch's extension versioning would not see.
+    # compiler flags, and by the shared headers, whose changes torch's extension versioning would not see. And
+    # by where the sources and torch live: two checkouts sharing torch's cache otherwise rewrite one build
+    # folder in turn, each rebuilding it under the lock the other waits on.
+    import torch
+
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
     headers = b"".join(h.read_bytes() for h in _HEADERS)
-    return hashlib.sha256(f"{platform.machine()} {flags} {_EXTRA_CFLAGS}".encode() + headers).hexdigest()[:10]
+    where = f"{Path(__file__).resolve().parent} {Path(torch.__file__).resolve().parent}"
+    return hashlib.sha256(f"{platform.machine()} {flags} {_EXTRA_CFLAGS} {where}".encode() + headers).hexdigest()[:10]
 
 
 @functools.cache
 def load_cpu_kernels():
-    return _load("pagedserve_cpu_kernels", _SOURCES, "CPU attention kernel")
+    return _load("paged attention")
 
 
 @functools.cache
 def load_linear_kernels():
-    return _load("pagedserve_linear_kernels", _LINEAR_SOURCES, "CPU linear kernels")
+    return _load("linear")
 
 
 def linear_kernels_available() -> bool:
@@ -54,24 +100,37 @@ def linear_kernels_available() -> bool:
 
 @functools.cache
 def load_moe_kernels():
-    return _load("pagedserve_moe_kernels", _MOE_SOURCES, "CPU mixture-of-experts kernel")
+    return _load("mixture-of-experts")
 
 
 @functools.cache
 def load_elementwise_kernels():
-    return _load("pagedserve_elementwise_kernels", _ELEMENTWISE_SOURCES, "CPU elementwise kernels")
+    return _load("elementwise (RMSNorm, rotary)")
 
 
-def _load(name: str, sources: list[Path], what: str):
+_build_errors: dict[str, KernelBuildError] = {}  # a kernel that failed to build is not rebuilt at every call
+
+
+def _load(kernel: str):
+    if missing_toolchain():
+        _warn_fallback_once()
+        return None
+    if kernel in _build_errors:
+        raise _build_errors[kernel]
+    from torch.utils.cpp_extension import load
+
+    name, source = _KERNELS[kernel]
     try:
-        from torch.utils.cpp_extension import load
-
         return load(
             name=f"{name}_{_build_signature()}",
-            sources=[str(s) for s in sources],
+            sources=[str(Path(__file__).parent / source)],
             extra_cflags=["-O3", "-march=native", "-fopenmp", *_EXTRA_CFLAGS],
             extra_ldflags=["-fopenmp"],
         )
-    except Exception as e:  # no compiler, no ninja, no headers: slower but correct
-        logger.warning("%s unavailable (%s); using the pure-torch path", what, e)
-        return None
+    except (RuntimeError, OSError, ImportError) as e:  # the compiler's or linker's error, or a .so that won't load
+        cxx = os.environ.get("CXX", "c++")
+        flags = f" and PAGEDSERVE_CPU_CFLAGS={' '.join(_EXTRA_CFLAGS)!r}" if _EXTRA_CFLAGS else ""
+        _build_errors[kernel] = KernelBuildError(
+            f"the {kernel} CPU kernel ({source}) failed to build with {cxx}{flags}; fix what the compiler "
+            f"reports, then rebuild with `python -m kernels.cpu`. {e}")
+        raise _build_errors[kernel] from e

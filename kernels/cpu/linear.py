@@ -14,7 +14,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import linear_kernels_available, load_linear_kernels
+from kernels.cpu import KernelBuildError, linear_kernels_available, load_linear_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,8 @@ def packing_available(dtype: torch.dtype) -> bool:
         weight, x = torch.randn(4, 8, dtype=dtype), torch.randn(3, 8, dtype=dtype)
         with torch.no_grad():
             return torch.allclose(packed_linear(x, pack_weight(weight, 3), None).float(), F.linear(x, weight).float(), atol=0.05)
+    except KernelBuildError:
+        raise  # a broken kernel build must fail loudly, not read as "no oneDNN"
     except (RuntimeError, AttributeError) as e:  # a torch built without oneDNN, or a changed private op
         logger.warning("oneDNN linear packing unavailable (%s); using plain matmuls", e)
         return False

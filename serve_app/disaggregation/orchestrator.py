@@ -3,9 +3,15 @@
 the prompt that replica caches; below `min_uncached_prompt_tokens` uncached tokens prefill here (policy.py);
 otherwise have that replica prefill it, fetch its KV (transfer.py) and hand the engine kv_transfer_params.
 
+The prefill runs under an id of its own (the client's `request_id` names the request in responses and
+logs, but a client may reuse it while the KV of its last use is still held on the prefill side), and with
+the request's LoRA adapter: the prefill engine computes the KV the decode engine will decode with, and
+stamps the adapter's weight digest on it, which the decode engine checks before loading it.
+
 Any failure on the way (the prefill replica died, the lease ran out before the fetch, the transfer
 failed or timed out) either falls back to prefilling here (`on_transfer_failure: recompute`) or fails the
-request with a 503 (`fail`); nothing waits longer than `transfer_timeout_s` per hop."""
+request with a 503 (`fail`); nothing waits longer than `transfer_timeout_s` per hop. The staged copy
+written here is deleted on every path but the one that hands it to the engine."""
 
 from __future__ import annotations
 
@@ -21,8 +27,8 @@ from ray.exceptions import RayError
 from ray.serve._private.constants import SERVE_NAMESPACE
 from ray.serve.exceptions import RayServeException
 
-from engine.kv_transfer.shared_memory import staged_prefix
 from engine.sampling_params import SamplingParams
+from engine.shm_files import owned_prefix
 from serve_app import tracing
 from serve_app.disaggregation.policy import should_disaggregate
 from serve_app.disaggregation.transfer import (
@@ -45,7 +51,8 @@ class PDSettings:
     block_size: int
     staging_dir: str
     prefill_deployment: str = "PrefillServer"
-    # Test hooks (LLMServer.set_pd_faults): faults are injected here, never by racing a kill.
+    # Test hooks (LLMServer.set_pd_faults): faults are injected here, never by racing a kill. "pause_in_write_s"
+    # holds the write of the fetched KV (in its thread), for a caller to go away meanwhile.
     faults: dict = field(default_factory=dict)
 
 
@@ -74,9 +81,10 @@ class PrefillOrchestrator:
         if request.sampling_params.prompt_logprobs is not None:  # needs every prompt position's logits here
             self.metrics.local_prefill("ineligible")
             return None
-        prefill = EngineRequest(f"{request.request_id}-prefill", request.prompt_token_ids,
+        prefill = EngineRequest(f"{request.request_id}-prefill-{uuid.uuid4().hex}", request.prompt_token_ids,
                                 SamplingParams(max_tokens=1, temperature=0.0), request.block_hashes,
-                                request.priority, request.cache_salt, request.trace_context)
+                                request.priority, request.cache_salt, request.trace_context,
+                                lora_request=request.lora_request)
         result = None
         try:
             with tracing.span("prefill", **{"pagedserve.prefill.prompt_tokens": len(request.prompt_token_ids)}) as span:
@@ -115,8 +123,8 @@ class PrefillOrchestrator:
             fetched = await asyncio.wait_for(self.fetch.remote(KVFetchRequest(result.replica_id, result.request_id)),
                                              s.transfer_timeout_s)
             arrays = await asyncio.wait_for(asyncio.gather(*fetched.refs), s.transfer_timeout_s)
-            name = staged_prefix("rx") + uuid.uuid4().hex
-            await asyncio.get_running_loop().run_in_executor(None, write_staged, arrays, name, s.staging_dir)
+            name = owned_prefix("rx") + uuid.uuid4().hex
+            await self._write(arrays, name)
             del arrays, fetched.refs  # the object store may drop its copy now
             seconds = time.monotonic() - start
             if span is not None:
@@ -126,11 +134,24 @@ class PrefillOrchestrator:
         self.metrics.transfer(fetched.num_bytes, seconds)
         return RemoteKV({**params, "name": name}, int(params.get("cached_tokens", 0)))
 
+    async def _write(self, arrays: list, name: str) -> None:
+        """The fetched KV as staged files here. A caller that goes away cannot stop the writing thread: what
+        it writes is deleted once it is done."""
+        s = self.settings
+        write = asyncio.get_running_loop().run_in_executor(None, _write_staged, arrays, name, s.staging_dir,
+                                                           s.faults.get("pause_in_write_s", 0.0))
+        try:
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            write.add_done_callback(lambda _: discard_staged(name, len(arrays), s.staging_dir))
+            raise
+
     def _failed(self, request: EngineRequest, error: BaseException, result: PrefillResult | None) -> None:
         if result is not None:
             self.release.remote(KVFetchRequest(result.replica_id, result.request_id))
         why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        logger.warning("request %s: remote prefill failed (%s)", request.request_id, why)
+        logger.warning("request %s: remote prefill %sfailed (%s)", request.request_id,
+                       f"{result.request_id} " if result is not None else "", why)
         if self.settings.faults.get("on_transfer_failure", self.settings.on_transfer_failure) == "fail":
             raise APIError(503, f"the remote prefill of this request failed ({why}); retry",
                            code="kv_transfer_failed", retry_after_s=1)
@@ -152,6 +173,12 @@ class PrefillOrchestrator:
         """Staged KV the engine never loaded (the request ended before it was admitted)."""
         params = remote.kv_transfer_params
         discard_staged(params["name"], params["num_ranks"], self.settings.staging_dir)
+
+
+def _write_staged(arrays: list, name: str, directory: str, pause_s: float) -> None:
+    if pause_s:  # a test's fault (PDSettings.faults)
+        time.sleep(pause_s)
+    write_staged(arrays, name, directory)
 
 
 def _replica_id(selection) -> str:

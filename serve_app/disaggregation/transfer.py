@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import ray
@@ -63,19 +62,22 @@ def put_staged(params: dict, directory: str) -> KVFetchResult:
 
 
 def write_staged(arrays: list[np.ndarray], name: str, directory: str) -> None:
-    """The fetched ranks' bytes as staged files here, for the decode engine's ranks to load."""
-    for rank, data in enumerate(arrays):
-        path = staged_path(directory, name, rank)
-        tmp = path.with_suffix(".tmp")
-        data.tofile(tmp)
-        tmp.rename(path)  # the engine checks sizes: it never sees a half-written file
+    """The fetched ranks' bytes as staged files here, for the decode engine's ranks to load; a write that
+    fails leaves nothing behind (neither the ranks written nor the half-written one)."""
+    try:
+        for rank, data in enumerate(arrays):
+            path = staged_path(directory, name, rank)
+            tmp = path.with_suffix(".tmp")
+            data.tofile(tmp)
+            tmp.rename(path)  # the engine checks sizes: it never sees a half-written file
+    except BaseException:
+        discard_staged(name, len(arrays), directory)
+        raise
 
 
 def discard_staged(name: str, num_ranks: int, directory: str) -> None:
+    """Delete a staged KV's files, written or half-written."""
     for rank in range(num_ranks):
-        staged_path(directory, name, rank).unlink(missing_ok=True)
-
-
-def staging_dir(engine_config: dict) -> str:
-    transfer = engine_config.get("kv_transfer_config") or {}
-    return transfer.get("staging_dir") or ("/dev/shm" if Path("/dev/shm").is_dir() else "/tmp")
+        path = staged_path(directory, name, rank)
+        path.unlink(missing_ok=True)
+        path.with_suffix(".tmp").unlink(missing_ok=True)

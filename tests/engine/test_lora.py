@@ -1,21 +1,30 @@
 """Multi-LoRA serving offline: adapters written by `peft`, each request's greedy tokens equal Hugging Face's
 on the base model merged with its adapter (tests/parity.py, tie-aware), in batches mixing adapters and
-the base model; slots evicted and reloaded; the prefix cache keyed by the adapter's weights; bad
-adapters refused by name while the engine goes on; tensor parallelism equal to one rank."""
+the base model, and under a JSON schema; slots evicted and reloaded; the prefix cache keyed by the adapter's
+weights; bad adapters refused by name while the engine goes on; tensor and pipeline parallelism (the latter
+on an int8 base, with a draft model) equal to one rank. Mixture-of-experts bases (adapters on attention,
+shared expert and dense layers; expert weights refused naming the module) and quantized bases (the float
+delta on a GPTQ or online-int8 base against the dequantized merge)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
+import torch
 
-from engine import LLM, LoRARequest, SamplingParams
+from engine import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
 from engine.block_hash import hash_block_chain
+from engine.lora import load_peft_adapter
 from engine.lora.manager import LoRAManager
+from tests.engine.quantized_checkpoints import write_gptq
 from tests.engine.test_hf_parity import PROMPTS, _random_prompts
+from tests.engine.test_moe import HF_EXPERTS
+from tests.engine.test_quantization import LOGPROB_TOL, TIE, _oracle_online
 from tests.lora_adapters import write_peft_adapter
-from tests.parity import assert_tokens_match, hf_greedy
+from tests.parity import TIE_THRESHOLD, assert_tokens_match, hf_greedy
 
 BASE_NAME = "pagedserve-tiny"
 NEW_TOKENS = 12
@@ -51,25 +60,27 @@ def _request(adapters, name: str, int_id: int | None = None) -> LoRARequest:
     return LoRARequest(name, int_id or list(ADAPTERS).index(name) + 1, str(adapters[name][0]))
 
 
-def _check_tokens(token_ids: list[int], token_logprobs: list[dict], prompt, oracle, what: str) -> None:
-    """Tokens equal the oracle's (ties excepted); their logprobs within 1e-4, up to a tie."""
-    tokens, logprobs = hf_greedy(str(oracle), prompt, NEW_TOKENS)
-    tie = assert_tokens_match(token_ids, tokens, logprobs, what=what)
-    for i, (token, ours) in enumerate(zip(token_ids[:tie], token_logprobs)):
-        assert ours[token].logprob == pytest.approx(logprobs[i][token].item(), abs=1e-4), f"{what}: token {i}"
+def _check_tokens(token_ids: list[int], token_logprobs: list[dict], prompt, oracle, what: str, tol: float = 1e-4,
+                  tie: float = TIE_THRESHOLD, **hf_kwargs) -> None:
+    """Tokens equal the oracle's (ties below `tie` excepted); their logprobs within `tol`, up to a tie."""
+    tokens, logprobs = hf_greedy(str(oracle), prompt, NEW_TOKENS, **hf_kwargs)
+    tie_at = assert_tokens_match(token_ids, tokens, logprobs, tie, what=what)
+    for i, (token, ours) in enumerate(zip(token_ids[:tie_at], token_logprobs)):
+        assert ours[token].logprob == pytest.approx(logprobs[i][token].item(), abs=tol), f"{what}: token {i}"
 
 
-def _check(out, prompt, oracle, what: str) -> None:
-    _check_tokens(out.outputs[0].token_ids, out.outputs[0].logprobs, prompt, oracle, what)
+def _check(out, prompt, oracle, what: str, **kwargs) -> None:
+    _check_tokens(out.outputs[0].token_ids, out.outputs[0].logprobs, prompt, oracle, what, **kwargs)
 
 
-def _check_all(outs, prompts, names, base, adapters, what: str) -> None:
+def _check_all(outs, prompts, names, base, adapters, what: str, **kwargs) -> None:
     for prompt, out, name in zip(prompts, outs, names):
-        _check(out, prompt, base if name is None else adapters[name][1], f"{what}: {name or 'base'}, {len(prompt)} tokens")
+        oracle = base if name is None else adapters[name][1]
+        _check(out, prompt, oracle, f"{what}: {name or 'base'}, {len(prompt)} tokens", **kwargs)
 
 
 def test_mixed_batch_matches_merged_models(lora_setup):
-    """Three adapters of different ranks and targets and the base model in one batch."""
+    """Three adapters of different ranks and targets and the base model in one batch; structured outputs."""
     base, adapters = lora_setup
     names = ["everything", "attention", "mlp", None] * 2
     llm = LLM(str(base), max_loras=4, **ENGINE)
@@ -80,6 +91,13 @@ def test_mixed_batch_matches_merged_models(lora_setup):
     plain = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
     assert all(a.outputs[0].token_ids != b.outputs[0].token_ids for a, b in zip(outs[:3], plain))
     assert llm.llm_engine.get_stats().num_lora_slot_loads == 3
+    # A JSON schema under an adapter: the merged model's own constrained tokens.
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 22, 333]}}, "required": ["a"]}
+    constrained = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
+    ours = llm.generate(PROMPTS[:1], constrained, use_tqdm=False, lora_request=_request(adapters, "everything"))[0]
+    merged = LLM(str(adapters["everything"][1]), **{k: v for k, v in ENGINE.items() if "lora" not in k})
+    theirs = merged.generate(PROMPTS[:1], constrained, use_tqdm=False)[0]
+    assert json.loads(ours.outputs[0].text)["a"] in (1, 22, 333) and ours.outputs[0].token_ids == theirs.outputs[0].token_ids
 
 
 def test_eviction_and_reload_in_rotation(lora_setup):
@@ -168,17 +186,34 @@ def test_bad_adapters_are_refused_by_field_and_the_engine_goes_on(lora_setup, hf
     _check(out, LONG_PROMPT, adapters["mlp"][1], "after refusals")
 
 
-def test_tensor_parallel_equals_one_rank(lora_setup):
-    """TP=2 (gloo worker processes): each rank loads its shard of every adapter (column layers their
-    rows of B, row layers their columns of A); tokens equal one rank's and logprobs are within 1e-4."""
+# layout -> (tensor_parallel_size, pipeline_parallel_size, what both engines run, what the parallel one adds)
+LAYOUTS = {
+    "tp2": (2, 1, {}, {}),
+    # Pipeline stages on an int8 base, with a draft model (the base itself: it drafts without the adapter).
+    "pp2_int8_draft": (1, 2, {"quantization": "int8"}, {"speculative_config": {"method": "draft_model",
+                                                                                "num_speculative_tokens": 3}}),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_parallel_layouts_equal_one_rank(layout, lora_setup):
+    """TP=2 (gloo worker processes): each rank loads its shard of every adapter (column layers their rows of B,
+    row layers their columns of A); PP=2: each stage its layers' part. Tokens equal one rank's and logprobs are
+    within 1e-4."""
     base, adapters = lora_setup
+    tp, pp, both, parallel = LAYOUTS[layout]
+    if "speculative_config" in parallel:
+        parallel = {"speculative_config": {**parallel["speculative_config"], "model": str(base)}}
     names = ["everything", "attention", None, "mlp"]
     loras = [_request(adapters, n) if n else None for n in names]
     prompts = PROMPTS[:4]
-    one = LLM(str(base), max_loras=2, **ENGINE).generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
-    llm = LLM(str(base), max_loras=2, tensor_parallel_size=2, **ENGINE)
+    one = LLM(str(base), max_loras=2, **ENGINE, **both).generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    llm = LLM(str(base), max_loras=2, tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE, **both, **parallel)
     try:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+        if parallel:  # drafts were verified, some rejected: the adapters' tokens are not the draft's
+            stats = llm.llm_engine.get_stats()
+            assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     finally:
         llm.shutdown()
     for ref, out in zip(one, outs):
@@ -186,6 +221,116 @@ def test_tensor_parallel_equals_one_rank(lora_setup):
         for ours, theirs in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs):
             for token, lp in theirs.items():
                 assert ours[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
+
+
+# --- mixture-of-experts and quantized bases -------------------------------------------------------------------
+
+# arch -> ((tensor_parallel_size, pipeline_parallel_size), target_modules). With transformers' fused experts,
+# PEFT finds Qwen2-MoE's gate/up/down_proj in its shared expert and in layer 1 (mlp_only_layers), never in
+# the experts.
+MOE_ADAPTERS = {"mixtral": ((1, 2), ["q_proj", "k_proj", "v_proj", "o_proj"]), "qwen2_moe": ((2, 1), ALL)}
+
+
+@pytest.mark.parametrize("arch", MOE_ADAPTERS)
+def test_moe_adapters_match_merged_models(arch, hf_checkpoint, tmp_path):
+    """Adapters on a mixture-of-experts base: attention everywhere (Mixtral in two pipeline stages), and on
+    Qwen2-MoE the shared expert (its down projection's partial sums left to the sparse block's all-reduce
+    under TP=2) and the dense layer."""
+    from engine.models.config import ModelConfig
+
+    (tp, pp), targets = MOE_ADAPTERS[arch]
+    base = hf_checkpoint(arch)
+    folder = write_peft_adapter(base, tmp_path / "adapter", 8, targets, seed=3, merged=tmp_path / "merged")
+    if arch == "qwen2_moe":
+        adapter = load_peft_adapter("moe", 1, folder, ModelConfig.from_pretrained(base), 16)
+        assert {(0, "shared_expert.gate_proj"), (0, "shared_expert.down_proj"), (1, "gate_proj"), (1, "down_proj"),
+                (1, "q_proj")} <= set(adapter.weights)
+    names, prompts = ["moe", None, "moe", None], [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[1]]
+    llm = LLM(str(base), max_loras=1, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_threads=1, **ENGINE)
+    try:
+        lora = LoRARequest("moe", 1, str(folder))
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[lora if n else None for n in names])
+    finally:
+        llm.shutdown()
+    _check_all(outs, prompts, names, base, {"moe": (folder, tmp_path / "merged")}, arch, **HF_EXPERTS)
+    assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids  # the adapter changes the output
+
+
+def test_adapters_on_expert_weights_are_refused_naming_the_module(hf_checkpoint, tmp_path):
+    """PEFT's `target_parameters` (transformers' fused experts), expert tensors of any exporter, and
+    projections a sparse layer does not have: refused when the adapter loads, naming what they target."""
+    from safetensors.torch import load_file, save_file
+
+    from engine.models.config import ModelConfig
+
+    qwen2 = hf_checkpoint("qwen2_moe")
+    experts = write_peft_adapter(qwen2, tmp_path / "experts", 4, ["q_proj"], seed=1,
+                                 target_parameters=["mlp.experts.gate_up_proj"])
+
+    def edited(name: str, rename: dict[str, str], drop: str = "", **config) -> Path:
+        """A copy of `experts` without target_parameters, its tensor names edited: old -> new, `drop` dropped."""
+        folder = tmp_path / name
+        shutil.copytree(experts, folder)
+        data = json.loads((folder / "adapter_config.json").read_text())
+        del data["target_parameters"]
+        (folder / "adapter_config.json").write_text(json.dumps({**data, **config}))
+        tensors = {}
+        for key, value in load_file(folder / "adapter_model.safetensors").items():
+            for old, new in rename.items():
+                key = key.replace(old, new)
+            if not drop or drop not in key:
+                tensors[key] = value
+        save_file(tensors, folder / "adapter_model.safetensors")
+        return folder
+
+    old_style = "layers.0.block_sparse_moe.experts.3.w1"  # Mixtral's expert modules before transformers 5
+    mixtral = hf_checkpoint("mixtral")
+    cases = [
+        (qwen2, experts, r"`target_parameters` \(\['mlp.experts.gate_up_proj'\]\) is not supported"),
+        (qwen2, edited("fused", {}), r"targets the experts of a mixture-of-experts layer \(layers.0.mlp.experts\)"),
+        (qwen2, edited("router", {"layers.0.self_attn.q_proj": "layers.0.mlp.gate"}, drop="experts"),
+         r"targets layers.0.mlp.gate, which adapters may not target"),
+        (mixtral, edited("w1", {"layers.0.mlp.experts": old_style}, target_modules=["q_proj", "w1"]),
+         r"`target_modules` names \['w1'\]"),
+        (mixtral, edited("old-keys", {"layers.0.mlp.experts": old_style}),
+         (rf"\({old_style}\); adapters on expert weights are not supported: layer 0 of MixtralForCausalLM may be "
+          r"targeted at \['k_proj', 'o_proj', 'q_proj', 'v_proj'\]")),
+    ]
+    for base, folder, message in cases:
+        with pytest.raises(ValueError, match=r"lora_path: adapter 'x': .*" + message):
+            load_peft_adapter("x", 1, folder, ModelConfig.from_pretrained(base), 16)
+
+
+# case -> (arch, how its quantized base and dequantized dense oracle are made, adapter targets)
+QUANTIZED_BASES = {
+    # act-order GPTQ: the base permutes its input columns, the adapter's A reads them in checkpoint order
+    "gptq4_actorder": ("qwen2", "gptq", ALL),
+    "online_int8_moe": ("qwen3_moe", "int8", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+}
+
+
+@pytest.mark.parametrize("case", QUANTIZED_BASES)
+def test_adapters_on_quantized_bases_match_the_dequantized_merge(case, hf_checkpoint, tmp_path):
+    """QLoRA-style serving: the base layers run their quantized kernels, the adapter's delta is computed in
+    float and added to their output; the oracle is the dequantized base merged with the adapter (the
+    quantization tests' tolerance: the kernels sum in another order)."""
+    arch, scheme, targets = QUANTIZED_BASES[case]
+    dense = hf_checkpoint(arch)
+    if scheme == "gptq":
+        model, oracle = write_gptq(dense, tmp_path / "gptq", bits=4, group_size=32, sym=False, desc_act=True, v1=False)
+        quantization = None
+    else:
+        model, oracle, quantization = dense, _oracle_online(dense, tmp_path / "oracle", scheme), scheme
+    folder = write_peft_adapter(oracle, tmp_path / "adapter", 8, targets, seed=4, merged=tmp_path / "merged")
+    llm = LLM(str(model), max_loras=1, quantization=quantization, **ENGINE)
+    slots = llm.llm_engine.model_runner.executor.driver_worker.lora
+    assert {getattr(w.base_layer, "compute", None) for w in slots.layers} == {"int4" if scheme == "gptq" else "int8"}
+    assert {w.a_stack.dtype for w in slots.layers} == {torch.float32}
+    names = ["q", None, "q"]
+    outs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False,
+                        lora_request=[LoRARequest("q", 1, str(folder)) if n else None for n in names])
+    _check_all(outs, PROMPTS[:3], names, oracle, {"q": (folder, tmp_path / "merged")}, case, tol=LOGPROB_TOL, tie=TIE,
+               **(HF_EXPERTS if arch.endswith("moe") else {}))
 
 
 def test_async_llm_takes_lora_requests(lora_setup, tmp_path):

@@ -5,6 +5,7 @@ wait without end; a checkpoint every rank refuses fails the constructor as it wo
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import time
@@ -88,3 +89,35 @@ def test_async_engine_dies_with_its_worker(tiny_model_path):
 
     asyncio.run(asyncio.wait_for(run(), 120))
 
+
+
+def _rank_processes() -> list:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("pagedserve-rank-")]
+
+
+def test_failure_after_launch_leaves_no_worker(tiny_model_path, tmp_path):
+    # The workers never load the tokenizer: a multi-rank AsyncLLM that cannot must not leave the worker
+    # processes it launched waiting at the rendezvous (for INIT_TIMEOUT, half an hour).
+    before = _rank_processes()
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="tokenizer: cannot load a tokenizer"):
+        AsyncLLM(EngineConfig(model=str(tiny_model_path), tokenizer=str(tmp_path), tensor_parallel_size=2,
+                              multiprocess=True, num_kv_blocks=64, max_model_len=512))
+    assert time.monotonic() - start < 30
+    deadline = time.monotonic() + 5
+    while _rank_processes() != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _rank_processes() == before
+
+
+def test_draft_model_failing_to_load_stops_the_workers(tiny_model_path, tmp_path):
+    # The draft's config is checked before the workers start; its weights load on the driver's device,
+    # after they have started: a draft whose weights are missing must stop them.
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_bytes((tiny_model_path / "config.json").read_bytes())
+    before = _rank_processes()
+    with pytest.raises(ValueError, match=r"model: no \*\.safetensors weights"):
+        LLM(str(tiny_model_path), tensor_parallel_size=2, num_kv_blocks=64, max_num_seqs=4, max_model_len=512,
+            speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
+    assert _rank_processes() == before

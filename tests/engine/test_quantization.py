@@ -16,7 +16,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.models.layers.quantization import resolve_quant_config
 from engine.models.layers.quantization.awq import unpack_awq
-from engine.models.layers.quantization.online import int4_group_size, quantize_int4, quantize_int8
+from engine.models.layers.quantization.online import int4_group_size, quantize_int8
 from engine.models.layers.quantization.weight_only import unpack_int32
 from kernels.cpu.quant_linear import dequantize_int4, dequantize_int8, unpack_int4_params
 from tests.engine.quantized_checkpoints import (
@@ -97,16 +97,32 @@ def test_checkpoint_formats_match_their_dequantized_weights(case, quantized):
         assert again.num_cached_tokens >= 32 and again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
+def _int4_by_definition(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The online int4 scheme from its definition, not from the quantizer: per group of `group` inputs, low =
+    min(min(w), 0), high = max(max(w), 0), scale = (high - low) / 15, zero = round(-low / scale), q = round(w /
+    scale) + zero in 0..15. Returns scale and zero [N, K / group] and the dequantized weight (q - zero) * scale."""
+    groups = w.float().view(w.shape[0], -1, group)
+    low, high = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+    scale = (high - low) / 15
+    assert bool((scale > 0).all()), "a group of zeros: the definition leaves its scale open"
+    zero = torch.round(-low / scale)
+    q = (torch.round(groups / scale[..., None]) + zero[..., None]).clamp(0, 15)
+    return scale, zero, ((q - zero[..., None]) * scale[..., None]).view_as(w)
+
+
 def _oracle_online(dense, out, scheme: str):
-    """Our online scheme applied by its definition (quantize_int8/int4 on whole tensors) -> dense oracle."""
+    """Our online scheme applied by its definition (int8: quantize_int8, whose scale the tests check; int4:
+    _int4_by_definition) on whole tensors -> dense oracle."""
     from tests.engine.quantized_checkpoints import _is_linear, _write
     from safetensors.torch import load_file
 
     oracle = {}
     for name, w in load_file(str(dense / "model.safetensors")).items():
         if _is_linear(name) or (".experts." in name and name.endswith(".weight")):  # routers stay dense
-            qw = quantize_int8(w) if scheme == "int8" else quantize_int4(w, int4_group_size(w.shape[1]))
-            w = qw.dequantize()
+            if scheme == "int8":
+                w = quantize_int8(w).dequantize()
+            else:
+                w = _int4_by_definition(w, int4_group_size(w.shape[1]))[2]
         oracle[name] = w
     return _write(dense, out, oracle, None)
 
@@ -145,7 +161,8 @@ def test_quantized_moe_checkpoints_are_refused_naming_the_layer(hf_checkpoint, t
 
 def test_online_quantization_error_within_the_scheme_bound(hf_checkpoint):
     """Every decoder projection of the built model, widened back from its kernel form, is within half a
-    quantization step of the checkpoint's weight (int8: per row; int4: per group)."""
+    quantization step of the checkpoint's weight (int8: per row; int4: per group), with the scale (and int4's
+    zero point) the scheme defines, computed here from the weight."""
     from safetensors.torch import load_file
 
     dense = hf_checkpoint("qwen3")
@@ -162,9 +179,12 @@ def test_online_quantization_error_within_the_scheme_bound(hf_checkpoint):
                 assert torch.equal(step[:, 0], w.abs().amax(1) / 127)
             else:
                 g = module.group_size
-                got = dequantize_int4(module.int4_weight, module.int4_params, g, module.out_features)
-                step = unpack_int4_params(module.int4_params, module.out_features)[0].repeat_interleave(g, 1)
                 assert g == int4_group_size(w.shape[1])
+                got = dequantize_int4(module.int4_weight, module.int4_params, g, module.out_features)
+                scale, zero, _ = _int4_by_definition(w, g)
+                scales, offsets = unpack_int4_params(module.int4_params, module.out_features)  # w = q * s + offset
+                assert torch.equal(scales, scale) and torch.equal(offsets, -zero * scale), fused
+                step = scale.repeat_interleave(g, 1)
             assert bool(((got - w).abs() <= step / 2 + 1e-6).all()), (scheme, fused)
 
 

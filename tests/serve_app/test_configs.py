@@ -1,15 +1,23 @@
 """The shipped configs are valid Serve configs whose args are valid AppArgs and whose import paths
-resolve; they build the application without starting anything."""
+resolve; they build the application without starting anything. A config the model cannot run fails
+build_app at once, naming the field, wherever the model's config can be read where the app is built."""
 
 from __future__ import annotations
 
 import importlib
+import json
+import logging
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+import ray
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
+from engine.models.builtin import BUILTIN_MODELS
+from serve_app.app import build_app
 from serve_app.app_args import AppArgs
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
@@ -28,6 +36,7 @@ def test_config_is_valid(path):
         assert names <= {"LLMServer", "PrefillServer", "DecodeServer", "OpenAIIngress", "IngressRouter"}, names
         assert not (args.direct_streaming and "OpenAIIngress" in names), "direct_streaming apps have no ingress deployment"
         assert args.engine_config().model == args.model
+        build_app(args)  # checks the engine config against a model it can read here (the built-ins)
 
 
 def _args(name: str) -> tuple[dict, AppArgs]:
@@ -157,3 +166,71 @@ def test_disaggregation_sizes_each_pool_and_gives_each_its_engine_and_signals():
         AppArgs.model_validate({"router": "pow2", **pd})
     with pytest.raises(ValueError, match="min_replicas: a pool may not scale to 0"):
         AppArgs.model_validate({"disaggregation": {"decode": {"autoscaling_config": {"min_replicas": 0}}}})
+    for field, value in (("quantization", "int8"), ("seed", 1), ("model", "pagedserve-tiny")):
+        with pytest.raises(ValueError, match=f"disaggregation.prefill.engine.{field}: both pools must run the same weights"):
+            AppArgs.model_validate({"disaggregation": {"prefill": {"engine": {field: value}}}})
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+# A config the model cannot run, the field its error names, and the same config that it can run.
+UNRUNNABLE = {
+    "tp_heads": ({"model": "pagedserve-tiny", "engine": {"tensor_parallel_size": 3}},
+                 "tensor_parallel_size: 3 does not divide num_attention_heads=4", {"tensor_parallel_size": 2}),
+    "int4_group_split": ({"model": "pagedserve-tiny", "engine": {"quantization": "int4", "tensor_parallel_size": 2}},
+                         (r"quantization: 'int4' groups model\.layers\.0\.self_attn\.o_proj's 64 inputs by 64, which "
+                          r"does not divide the 32 each rank holds; use another tensor_parallel_size"), {"quantization": "int8"}),
+    "quant_mismatch": ({"engine": {"quantization": "awq"}},
+                       "quantization: 'awq' was asked for, but the checkpoint is in 'gptq'", {"quantization": "gptq"}),
+    "prefill_pool": ({"model": "pagedserve-tiny-moe",
+                      "disaggregation": {"prefill": {"engine": {"tensor_parallel_size": 3}}}},
+                     "tensor_parallel_size: 3 does not divide num_attention_heads=4", {}),
+    "max_model_len": ({"model": "pagedserve-tiny", "engine": {"max_model_len": 100_000}},
+                      "max_model_len: 100000 exceeds the model's limit of 4096", {"max_model_len": 4096}),
+}
+
+
+@pytest.fixture
+def gptq_folder(tmp_path):
+    """A GPTQ checkpoint folder holding its config.json alone: what build_app reads (never the weights)."""
+    folder = tmp_path / "gptq"
+    folder.mkdir()
+    quant = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
+    (folder / "config.json").write_text(json.dumps({**BUILTIN_MODELS["pagedserve-tiny"], "quantization_config": quant}))
+    return folder
+
+
+@pytest.mark.parametrize("case", UNRUNNABLE)
+def test_build_app_refuses_what_the_model_cannot_run_before_starting_anything(case, gptq_folder, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))  # a built-in model must not be written
+    args, message, fix = UNRUNNABLE[case]
+    args = {"model": str(gptq_folder), **args}
+    children, ray_was_up = _children(), ray.is_initialized()  # other tests of the session may have started Ray
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=message):
+        build_app(AppArgs.model_validate(args))
+    assert time.monotonic() - start < 5
+    assert _children() == children and ray.is_initialized() == ray_was_up  # no worker process, no actor, no Ray
+    fixed = {**args, "engine": {**args.get("engine", {}), **fix}}
+    if case == "prefill_pool":
+        fixed["disaggregation"] = {"prefill": {"engine": {"tensor_parallel_size": 2}}}
+    build_app(AppArgs.model_validate(fixed))
+    assert not (tmp_path / "cache").exists()
+
+
+def test_build_app_leaves_a_hub_model_to_its_replicas(caplog):
+    with caplog.at_level(logging.WARNING, logger="serve_app.app"):
+        build_app(AppArgs.model_validate({"model": "org/unreadable-here", "engine": {"tensor_parallel_size": 3}}))
+    assert "'org/unreadable-here' is no built-in model and no folder on this host" in caplog.text
+    assert "checked against it by each replica as it starts" in caplog.text
+
+
+def test_gpu_configs_and_manifests_say_they_have_not_run():
+    root = CONFIGS[0].parents[1]
+    gpu = sorted(root.glob("configs/gpu-*.yaml")) + sorted(root.glob("k8s/rayservice-gpu*.yaml"))
+    assert len(gpu) == 5
+    for path in gpu:
+        header = "".join(line for line in path.read_text().splitlines(keepends=True)[:20] if line.startswith("#"))
+        assert "UNVERIFIED" in header and "benchmarks/gpu_check.sh" in header, path.name

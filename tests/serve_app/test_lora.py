@@ -6,6 +6,8 @@ that holds it."""
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 
 import anthropic
@@ -126,6 +128,51 @@ def test_runtime_loads_are_refused_outside_lora_root_and_when_bad(client, lora_u
     assert _complete(client, "sql").usage.completion_tokens == 12  # still serving
     # Off unless allow_runtime_lora_updating: the default app has no such route.
     assert _post(serve_app_url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "y"}, None).status_code == 404
+
+
+def test_disk_problems_are_answered_naming_the_path(client, lora_url, adapters):
+    """An adapter path that cannot be read is the request's fault (400 naming it); a registry that cannot be
+    read or written is the deployment's (500 naming the file under lora_root); the app goes on serving.
+    Made so that they fail for root too (chmod does not stop root): a symbolic link loop, a name too long
+    for the file system, a directory where the registry's lock file goes, a corrupt registry file."""
+    outside, root = adapters
+    (root / "loop").symlink_to(root / "loop")
+    unreadable = {"loop": str(root / "loop"), "x" * 300: "File name too long"}
+    if os.geteuid() != 0:  # permissions hold for other users only
+        shutil.copytree(root / "runtime", root / "locked")
+        (root / "locked").chmod(0)
+        unreadable["locked"] = "PermissionError"
+    try:
+        for path, named in unreadable.items():
+            r = _post(lora_url, "/v1/load_lora_adapter", {"lora_name": "unreadable", "lora_path": path})
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == "lora_path" and named in error["message"], error
+    finally:
+        (root / "loop").unlink()
+        if (root / "locked").exists():
+            (root / "locked").chmod(0o755)
+            shutil.rmtree(root / "locked")
+    lock, registry = root / (REGISTRY_FILE + ".lock"), root / REGISTRY_FILE
+    lock.unlink(missing_ok=True)
+    lock.mkdir()  # the registry cannot be locked, hence not written (as a read-only lora_root would have it)
+    try:
+        for route, body in (("load", {"lora_name": "w", "lora_path": "runtime"}), ("unload", {"lora_name": "w"})):
+            r = _post(lora_url, f"/v1/{route}_lora_adapter", body)
+            message = r.json()["error"]["message"]
+            assert r.status_code == 500 and message.startswith(f"lora_root: cannot lock the LoRA adapter registry {registry}")
+            assert str(lock) in message, message
+    finally:
+        lock.rmdir()
+    saved = registry.read_bytes() if registry.exists() else None
+    registry.write_text("{not json")
+    try:
+        with pytest.raises(openai.InternalServerError, match=re.escape(f"the LoRA adapter registry {registry} is corrupt")):
+            _complete(client, "runtime-or-not")
+    finally:
+        registry.unlink()
+        if saved is not None:
+            registry.write_bytes(saved)
+    assert _complete(client, "sql").usage.completion_tokens == 12  # still serving
 
 
 def test_an_adapter_sticks_to_the_replica_holding_it(client):

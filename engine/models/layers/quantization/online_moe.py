@@ -42,7 +42,7 @@ class OnlineQuantMoEMethod(FusedMoEMethod):
             weight = getattr(layer, f"{name}_weight").data  # [E, N, K]
             delattr(layer, f"{name}_weight")
             experts = self._quantize(layer, weight, row_parallel and layer.intermediate_sliced)
-            compute = select_compute(experts[0], weight.device, f"{layer.prefix}.{name}")
+            compute = select_compute(experts[0], weight.device)
             if compute == "dense":
                 layer.register_buffer(f"{name}_weight", torch.stack([qw.dequantize().to(weight.dtype) for qw in experts]))
             else:  # the linear layers' kernel form, stacked over experts (contiguous groups: input_perm is None)

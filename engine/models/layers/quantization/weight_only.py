@@ -11,6 +11,7 @@ The dequantized weights are always the oracle: W[n, k] = scales[g_idx[k], n] * (
 
 from __future__ import annotations
 
+import functools
 import logging
 from abc import abstractmethod
 from dataclasses import dataclass
@@ -78,7 +79,7 @@ class WeightOnlyMethod(QuantMethod):
         qw = self.quantized_weight(layer)
         for name in self.checkpoint_param_names(layer):
             delattr(layer, name)
-        layer.compute = select_compute(qw, qw.q.device, layer.prefix)
+        layer.compute = select_compute(qw, qw.q.device)
         if layer.compute in ("int8", "int4"):
             for name, value in kernel_form(qw, layer.compute).items():
                 if isinstance(value, int):
@@ -133,21 +134,22 @@ def int4_layout(qw: QuantizedWeight) -> tuple[torch.Tensor | None, int] | tuple[
     return perm, group
 
 
-def select_compute(qw: QuantizedWeight, device: torch.device, prefix: str) -> str:
+def select_compute(qw: QuantizedWeight, device: torch.device) -> str:
     """int8, int4 or dense (see the module docstring)."""
     if device.type != "cpu":
         return "dense"  # GPU kernels for these formats are future work: dequantized until then
     if qw.bits == 8 and qw.scales.shape[0] == 1 and bool((qw.zeros == 128).all()):
-        return "int8" if _kernels(prefix) else "dense"
+        return "int8" if _kernels() else "dense"
     if qw.bits == 4 and int4_layout(qw)[1] is not None:
-        return "int4" if _kernels(prefix) else "dense"
+        return "int4" if _kernels() else "dense"
     return "dense"
 
 
-def _kernels(prefix: str) -> bool:
+@functools.cache  # one warning per process, not one per layer
+def _kernels() -> bool:
     if linear_kernels_available():
         return True
-    logger.warning("%s: no CPU quantized kernels (no compiler?): weights dequantized to the compute dtype", prefix)
+    logger.warning("no CPU quantized kernels (no compiler?): quantized weights dequantized to the compute dtype")
     return False
 
 
