@@ -57,7 +57,8 @@ class PolicyState:
     low_since: float | None = None  # when the scale-down condition began to hold
 
 
-def _signals(metrics: list[ReplicaMetrics], queued_requests: float, config: KVQueuePolicyConfig) -> list[tuple[float, float]]:
+def _signals(metrics: list[ReplicaMetrics], queued_requests: float,
+             config: KVQueuePolicyConfig) -> list[tuple[float, float]]:
     """(fleet total, per-replica target) of each signal the config scales on. Every signal is a total that
     spreads over the replicas: KV and queues do; so does TTFT, taken as the sum of the replicas' (queueing
     delay falls as replicas are added), which makes its per-replica average the quantity compared."""

@@ -42,7 +42,8 @@ class KVQueueAutoscalingPolicy:
         kv, waiting, running, prefill, ttft = (metrics.get(k, {}) for k in (
             "kv_cache_usage", "num_waiting", "num_running", "queued_prefill_tokens", "ttft_s"))
         replicas = [
-            ReplicaMetrics(kv.get(r, 0.0), waiting.get(r, 0.0), running.get(r, 0.0), prefill.get(r, 0.0), ttft.get(r, 0.0))
+            ReplicaMetrics(kv.get(r, 0.0), waiting.get(r, 0.0), running.get(r, 0.0), prefill.get(r, 0.0),
+                           ttft.get(r, 0.0))
             for r in ctx.running_replicas
             if r in kv  # a replica that has not reported yet is still warming up
         ]

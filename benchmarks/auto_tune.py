@@ -90,12 +90,12 @@ def trial(config: dict, args: dict, rates: list[float], duration: float, port: i
         for rate in rates:
             requests = uniform_workload(max(30, int(rate * duration)), rate, seed)
 
-            async def go():
+            async def go(requests):
                 async with http_client() as client:
                     await asyncio.gather(*(send_openai(client, app.url, model, p, 8) for _, p, _ in requests[:4]))
                     return await run_open_loop(requests, lambda p, m: send_openai(client, app.url, model, p, m))
 
-            results, wall = asyncio.run(go())
+            results, wall = asyncio.run(go(requests))
             s = summarize(f"{rate:g}/s", results, wall)
             s["rate"], s["ok"] = rate, s["ttft_p99"] <= ttft_slo and s["itl_p99"] <= itl_slo
             runs.append(s)

@@ -247,7 +247,8 @@ def main() -> None:
         live_app.stop()
     print(table(report.outcomes))
     print("\nHostile text in every text field (benchmarks/text_fuzz.py):\n" + text_fuzz.table(report.text_outcomes))
-    print(f"\n{len(report.outcomes) + len(report.text_outcomes)} requests in {elapsed:.0f} s; replica restarts: {report.restarts or 'none'}; "
+    print(f"\n{len(report.outcomes) + len(report.text_outcomes)} requests in {elapsed:.0f} s; "
+          f"replica restarts: {report.restarts or 'none'}; "
           f"/health after: {report.health_status}; engines idle, KV free: {report.idle}")
     for o in report.failures:
         print(f"\nFAIL {o.route}: {o.problem}\n  {o.reproduce}")

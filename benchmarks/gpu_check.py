@@ -111,7 +111,7 @@ def check_parity(device: torch.device, model: str, args) -> str:
             os.environ["CXX"] = cxx
     llm = LLM(model, device=device.type, attention_backend="torch", **PARITY_ENGINE)
     try:
-        assert llm.llm_engine.model_runner.device == llm.llm_engine.model_runner.executor.driver_worker.device
+        assert llm.llm_engine.core.executor.device.type == device.type
         ties, worst = compare_greedy(reference, _greedy(llm, prompts, args.max_tokens), args.tie, args.logprob_atol)
         varied = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=16, ignore_eos=True, seed=1),
                   SamplingParams(temperature=1.0, min_p=0.05, max_tokens=16, ignore_eos=True),
@@ -122,8 +122,8 @@ def check_parity(device: torch.device, model: str, args) -> str:
         assert [len(o.outputs[0].token_ids) for o in outs] == [16] * 4
     finally:
         llm.shutdown()
-    return (f"{model} float32, {len(prompts)} prompts x {args.max_tokens} tokens: tokens equal ({ties} tolerated ties), "
-            f"logprobs within {worst:.1e}; sampled, seeded, penalized, biased requests ran")
+    return (f"{model} float32, {len(prompts)} prompts x {args.max_tokens} tokens: tokens equal "
+            f"({ties} tolerated ties), logprobs within {worst:.1e}; sampled, seeded, penalized, biased requests ran")
 
 
 def check_flashinfer(device: torch.device, model: str, args) -> str | None:
@@ -144,7 +144,8 @@ def check_flashinfer(device: torch.device, model: str, args) -> str | None:
         finally:
             llm.shutdown()
     ties, worst = compare_greedy(*results, tie=args.bf16_tie, logprob_atol=args.bf16_logprob_atol)
-    return f"{model} bfloat16: FlashInfer's tokens equal the torch backend's ({ties} tolerated ties), logprobs within {worst:.1e}"
+    return (f"{model} bfloat16: FlashInfer's tokens equal the torch backend's ({ties} tolerated ties), "
+            f"logprobs within {worst:.1e}")
 
 
 def check_throughput(device: torch.device, model: str, args) -> tuple[str, dict]:
@@ -167,7 +168,8 @@ def check_throughput(device: torch.device, model: str, args) -> tuple[str, dict]
     assert tokens == sum(m for _, m in reqs)
     numbers = {"model": model, "dtype": dtype, "requests": len(reqs), "output_tokens": tokens, "seconds": elapsed,
                "output_tokens_per_s": tokens / elapsed}
-    return f"{model} {dtype}, {len(reqs)} requests: {tokens / elapsed:,.0f} output tok/s ({tokens} tokens in {elapsed:.1f} s)", numbers
+    return (f"{model} {dtype}, {len(reqs)} requests: {tokens / elapsed:,.0f} output tok/s "
+            f"({tokens} tokens in {elapsed:.1f} s)", numbers)
 
 
 def _run(name: str, check: Callable[[], str | None | tuple[str, dict]], report: dict, skip_why: str = "") -> None:
@@ -211,12 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     device = rank_device(args.device, 0)
     report: dict = {"device": str(device), "torch": torch.__version__, "python": platform.python_version(),
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "checks": {}}
-    print(f"gpu_check on {report['gpu'] or 'the CPU'}: torch {torch.__version__}, python {report['python']}", flush=True)
+    print(f"gpu_check on {report['gpu'] or 'the CPU'}: torch {torch.__version__}, python {report['python']}",
+          flush=True)
     checks = {
         "collectives": (lambda: check_collectives(device), ""),
         "parity": (lambda: check_parity(device, args.model, args), ""),
         "flashinfer": (lambda: check_flashinfer(device, args.model, args),
-                       "no GPU" if device.type != "cuda" else "flashinfer is not installed (its wheel is over what a run "
+                       "no GPU" if device.type != "cuda"
+                       else "flashinfer is not installed (its wheel is over what a run "
                        "may carry: benchmarks/gpu_check.sh fetch --flashinfer says by how much)"),
         "throughput": (lambda: check_throughput(device, args.bench_model, args), ""),
     }

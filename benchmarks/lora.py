@@ -166,7 +166,8 @@ def main() -> None:
         print(f"| {name} | {rate:.0f} | {rate / base_rate:.2f}x | {loads} |")
     print(f"\nmerged engines: {build_s / args.rounds:.1f} s per round to write and load {args.num_adapters} merged "
           "checkpoints (not counted above)")
-    print(f"target: mixed L=8 >= 0.80x base: {'met' if statistics.median(results['mixed L=8']) >= 0.8 * base_rate else 'NOT met'}")
+    print(f"target: mixed L=8 >= 0.80x base: "
+          f"{'met' if statistics.median(results['mixed L=8']) >= 0.8 * base_rate else 'NOT met'}")
 
 
 if __name__ == "__main__":

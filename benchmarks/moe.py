@@ -56,7 +56,7 @@ def same_total_dense(folder: Path) -> Path:
 
 def params_m(llm: LLM) -> float:
     """Millions of float32 weights held (weight_bytes counts the dense layers' prepacked buffers too)."""
-    return weight_bytes(llm.llm_engine.model_runner.model) / 4 / 1e6
+    return weight_bytes(llm.llm_engine.core.executor.driver_worker.model) / 4 / 1e6
 
 
 def main() -> None:
@@ -83,7 +83,8 @@ def main() -> None:
                     steps.setdefault((name, batch), []).append(decode_step(llm, batch, rounds=args.decode_steps)[0])
             print(f"round {r + 1}/{args.rounds} done", flush=True)
         # Quantized weights are buffers, not parameters: those rows count the float32 model's parameters.
-        sizes = {name: params_m(engines["pagedserve-56m-moe" if name.endswith(QUANT_SCHEMES) else name]) for name in engines}
+        sizes = {name: params_m(engines["pagedserve-56m-moe" if name.endswith(QUANT_SCHEMES) else name])
+                 for name in engines}
         moe_llm = engines.pop("pagedserve-56m-moe")
         del engines
 
@@ -110,7 +111,8 @@ def main() -> None:
     moe_llm.shutdown()
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(materialize_builtin(MOE), dtype=torch.float32, attn_implementation="sdpa",
+    model = AutoModelForCausalLM.from_pretrained(materialize_builtin(MOE), dtype=torch.float32,
+                                                 attn_implementation="sdpa",
                                                  experts_implementation="grouped_mm").eval()
     hf_tokens, hf_s = run_hf_static(model, reqs)
     ours, hf = ours_tokens / ours_s, hf_tokens / hf_s

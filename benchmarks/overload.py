@@ -165,9 +165,11 @@ def summarize(name: str, outcomes: list[Outcome], wall: float, peak_mb: float, r
         "setting": name, "offered": len(outcomes), "admitted": len(ok), "refused": len(refused),
         "with_retry_after": sum(o.retry_after for o in refused),
         "other": len(outcomes) - len(ok) - len(refused),
-        "refusal_p50": pct([o.first_byte_s for o in refused], 50), "refusal_p99": pct([o.first_byte_s for o in refused], 99),
+        "refusal_p50": pct([o.first_byte_s for o in refused], 50),
+        "refusal_p99": pct([o.first_byte_s for o in refused], 99),
         "ttft_p50": pct([o.first_byte_s for o in ok], 50), "ttft_p99": pct([o.first_byte_s for o in ok], 99),
-        "e2e_p99": pct([o.e2e_s for o in ok], 99), "goodput": len(ok) / wall, "peak_mb": peak_mb, "restarted": restarted,
+        "e2e_p99": pct([o.e2e_s for o in ok], 99), "goodput": len(ok) / wall, "peak_mb": peak_mb,
+        "restarted": restarted,
     }
 
 
@@ -188,7 +190,8 @@ def main() -> None:
           "| admitted TTFT p50 / p99 ms | admitted e2e p99 ms | goodput req/s | replicas' peak RSS MiB | restarts |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in (bounded, unbounded):
-        print(f"| {r['setting']} | {r['offered']} | {r['admitted']} | {r['refused']} | {r['with_retry_after']} | {r['other']} "
+        print(f"| {r['setting']} | {r['offered']} | {r['admitted']} | {r['refused']} | {r['with_retry_after']} "
+              f"| {r['other']} "
               f"| {r['refusal_p50']:.0f} / {r['refusal_p99']:.0f} | {r['ttft_p50']:.0f} / {r['ttft_p99']:.0f} "
               f"| {r['e2e_p99']:.0f} | {r['goodput']:.1f} | {r['peak_mb']:.0f} | {'yes' if r['restarted'] else 'no'} |")
     print()

@@ -22,7 +22,7 @@ LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
 def _busy(llm: LLM) -> float:
-    groups = llm.llm_engine.model_runner.executor.driver_worker.groups
+    groups = llm.llm_engine.core.executor.driver_worker.groups
     return 0.0 if groups is None else groups.world.busy_s + groups.tp.busy_s + groups.pp.busy_s
 
 
@@ -32,16 +32,17 @@ def decode_step(llm: LLM, batch: int, prompt_len: int = 64, rounds: int = 24) ->
     for i in range(batch):
         engine.add_request([1] + [(i * 97 + k) % 31000 + 3 for k in range(prompt_len - 1)],
                            SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True))
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+    while engine.core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                               for r in engine.core.scheduler.running):
         engine.step()
     for _ in range(4):  # warm-up decodes
         engine.step()
-    tokens, busy, start = engine.scheduler.num_generation_tokens, _busy(llm), time.perf_counter()
-    while engine.scheduler.num_generation_tokens - tokens < rounds * batch:
+    tokens, busy, start = engine.core.scheduler.num_generation_tokens, _busy(llm), time.perf_counter()
+    while engine.core.scheduler.num_generation_tokens - tokens < rounds * batch:
         engine.step()
     elapsed = time.perf_counter() - start
-    steps = (engine.scheduler.num_generation_tokens - tokens) / batch
-    engine.abort_request([r.external_id for r in list(engine.scheduler.running)])
+    steps = (engine.core.scheduler.num_generation_tokens - tokens) / batch
+    engine.abort_request([r.external_id for r in list(engine.core.scheduler.running)])
     while engine.has_unfinished_requests():
         engine.step()
     return elapsed / steps * 1e3, (_busy(llm) - busy) / elapsed
@@ -58,7 +59,7 @@ def main() -> None:
         llm = LLM(MODEL, dtype="float32", max_model_len=1024, kv_cache_memory_gb=1.0, max_num_seqs=256,
                   tensor_parallel_size=tp, pipeline_parallel_size=pp)
         try:
-            weights = llm.llm_engine.model_runner.executor.weight_bytes_per_rank()
+            weights = llm.llm_engine.core.executor.weight_bytes_per_rank()
             step1, comm1 = decode_step(llm, 1)
             step32, comm32 = decode_step(llm, 32)
             llm.generate([p for p, _ in reqs[:8]], params[:8], use_tqdm=False)  # warm-up

@@ -288,7 +288,8 @@ def report(args, workload: Workload, live: dict[str, list[ArmRun]], sim: dict | 
           f"{SHAPE.chat_output} tok) and {len(workload.requests) - n_chat} long ones ({args.long_rate:g}/s, "
           f"{SHAPE.long_prompt}-token prompts, {SHAPE.long_output}-token answers), streamed, greedy, ignore_eos. "
           f"Engines: one thread, {CHUNK}-token chunked prefill, {NUM_KV_BLOCKS} KV blocks; colocated router: prefix; "
-          f"P/D min_uncached_prompt_tokens {MIN_UNCACHED_PROMPT_TOKENS}{', ' + json.dumps(args.pd_args) if args.pd_args else ''}. "
+          f"P/D min_uncached_prompt_tokens {MIN_UNCACHED_PROMPT_TOKENS}"
+          f"{', ' + json.dumps(args.pd_args) if args.pd_args else ''}. "
           f"Transfers: means over the measured window "
           f"(decode replica's pd_stats).\n")
     print(HEADER)
@@ -306,8 +307,8 @@ def report(args, workload: Workload, live: dict[str, list[ArmRun]], sim: dict | 
         if errors:
             print(f"{arm} errors: " + "; ".join(errors[:5]))
     if sim is None:
-        print(f"\nSimulator check skipped: the CPU step model (cluster_sim/step_cost.json) is fitted to {FITTED_MODEL}, "
-              f"not {args.model}.")
+        print(f"\nSimulator check skipped: the CPU step model (cluster_sim/step_cost.json) is fitted to "
+              f"{FITTED_MODEL}, not {args.model}.")
         return
     print(f"\n### Simulator check (cluster_sim/pd.py, CPU step model of {FITTED_MODEL}, one thread; link "
           f"{SIM_LINK.bandwidth_gbit_s:g} Gbit/s + {SIM_LINK.latency_s * 1e3:g} ms)\n")
@@ -331,7 +332,8 @@ def main() -> None:
     parser.add_argument("--log-dir", type=Path, help="keep each app's `serve run` output here")
     parser.add_argument("--smoke", action="store_true", help="30 s of arrivals per arm, one round")
     parser.add_argument("--pd-args", type=json.loads, default={},
-                        help='more `disaggregation:` fields for the P/D arm, as JSON, e.g. \'{"transfer_timeout_s": 120}\'')
+                        help='more `disaggregation:` fields for the P/D arm, as JSON, e.g. '
+                             '\'{"transfer_timeout_s": 120}\'')
     args = parser.parse_args()
     if args.smoke:
         args.duration, args.rounds = 30.0, 1

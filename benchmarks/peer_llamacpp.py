@@ -41,13 +41,20 @@ from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
-
 if __package__ in (None, ""):  # run as a script: make `benchmarks.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import serve_process
 from benchmarks.peers import llamacpp
-from benchmarks.stream_client import Request, http_client, run_open_loop, send_llamacpp, send_openai, summarize, uniform_workload
+from benchmarks.stream_client import (
+    Request,
+    http_client,
+    run_open_loop,
+    send_llamacpp,
+    send_openai,
+    summarize,
+    uniform_workload,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTEXT_PER_SLOT = 512  # > 256 prompt + 128 output tokens
@@ -168,8 +175,9 @@ def measure(name: str, send, loads: dict[str, list[Request]], on_load_start=None
         extra = on_load_end(load, len(requests)) if on_load_end else {}
         rows.append({**summarize(name, results, duration), "load": load, "client_cpu_s": client_cpu_s, **(extra or {})})
         r = rows[-1]  # the whole row at once: a later failure must not lose it
-        print(f"  {name}, {load}: {r['throughput']:.0f} tok/s, TTFT p50/p95/p99 {r['ttft_p50']:.0f}/{r['ttft_p95']:.0f}/"
-              f"{r['ttft_p99']:.0f} ms, ITL p50/p99 {r['itl_p50']:.1f}/{r['itl_p99']:.1f} ms, TPOT {r['tpot_mean']:.1f} ms, "
+        print(f"  {name}, {load}: {r['throughput']:.0f} tok/s, "
+              f"TTFT p50/p95/p99 {r['ttft_p50']:.0f}/{r['ttft_p95']:.0f}/{r['ttft_p99']:.0f} ms, "
+              f"ITL p50/p99 {r['itl_p50']:.1f}/{r['itl_p99']:.1f} ms, TPOT {r['tpot_mean']:.1f} ms, "
               f"{r['tokens_per_event']:.2f} tokens/event ({100 * r['single_token_events']:.1f}% single)", flush=True)
     return rows
 
@@ -188,9 +196,10 @@ class Profiler:
                 continue
             for pid in pids:
                 raw = self.out_dir / f"{role.replace(' ', '_')}-{pid}.txt"
-                cmd = [str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(pid), "-d", str(int(self.seconds)), "-r", "200", "-f", "raw",
-                       "-o", str(raw), "--nonblocking"]
-                self.procs.append((role, raw, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+                cmd = [str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(pid),
+                       "-d", str(int(self.seconds)), "-r", "200", "-f", "raw", "-o", str(raw), "--nonblocking"]
+                self.procs.append((role, raw, subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                                               stderr=subprocess.DEVNULL)))
 
     def report(self, top: int = 25) -> None:
         for role, raw, proc in self.procs:
@@ -296,7 +305,8 @@ def main() -> None:
     if args.only != "app":
         llama = llamacpp.build()
         hf_dir = _builtin_dir(model)
-        gguf = llamacpp.convert_to_gguf(hf_dir, llamacpp.cache_dir() / "models" / f"{hf_dir.name}-f32.gguf", "f32", llama)
+        gguf = llamacpp.convert_to_gguf(hf_dir, llamacpp.cache_dir() / "models" / f"{hf_dir.name}-f32.gguf", "f32",
+                                        llama)
         for slots in args.slots:
             with llama_server(llama, gguf, slots, args.threads, args.port + 1) as url:
                 name, send = f"llama-server, {slots} slots", lambda c, p, m: send_llamacpp(c, url, p, m)
@@ -313,7 +323,8 @@ def main() -> None:
         print(f"  offline engine, again: {offline_last:.0f} tok/s (mean {offline:.0f})", flush=True)
         rows.insert(0, {"system": "pagedserve offline `LLM.generate` (mean of first and last)",
                         "load": f"{args.burst} at once", "throughput": offline, "offline": True})
-        ours = next((r for r in rows if r["system"].startswith("pagedserve app (") and r["load"] == f"{args.burst} at once"), None)
+        ours = next((r for r in rows
+                     if r["system"].startswith("pagedserve app (") and r["load"] == f"{args.burst} at once"), None)
         if ours:  # how much of the app's gap to the offline engine is the CPU its serving path takes from it
             cores = serving_cores(ours)
             beside = offline_throughput(model, engine, loads[f"{args.burst} at once"], noise_cores=cores)
@@ -366,17 +377,20 @@ def ratios(rows: list[dict], args) -> None:
     if ours and peers:
         for load in (rate_load,):
             for p in (p for p in peers if p["load"] == load):
-                print(f"{load}, vs {p['system']}: TTFT p50 {ours[load]['ttft_p50'] / p['ttft_p50']:.2f}x (target <= 1), "
+                print(f"{load}, vs {p['system']}: "
+                      f"TTFT p50 {ours[load]['ttft_p50'] / p['ttft_p50']:.2f}x (target <= 1), "
                       f"TTFT p99 {ours[load]['ttft_p99'] / p['ttft_p99']:.2f}x (target <= 1.5 vs 64 slots), "
-                      f"ITL p99 {ours[load]['itl_p99'] / p['itl_p99']:.2f}x, throughput {ours[load]['throughput'] / p['throughput']:.2f}x")
+                      f"ITL p99 {ours[load]['itl_p99'] / p['itl_p99']:.2f}x, "
+                      f"throughput {ours[load]['throughput'] / p['throughput']:.2f}x")
         best = max((p for p in peers if p["load"] == burst_load), key=lambda p: p["throughput"])
         print(f"{burst_load}: app / best llama-server ({best['system']}) throughput "
               f"{ours[burst_load]['throughput'] / best['throughput']:.2f}x (target >= 1.3)")
     if ours:
-        print(f"{rate_load}: app SSE events carrying one token {100 * ours[rate_load]['single_token_events']:.1f}% (target >= 90%)")
+        print(f"{rate_load}: app SSE events carrying one token "
+              f"{100 * ours[rate_load]['single_token_events']:.1f}% (target >= 90%)")
     if ours and offline:
-        print(f"{burst_load}: app / offline engine throughput {ours[burst_load]['throughput'] / offline['throughput']:.2f}x "
-              f"(target >= 0.85)")
+        print(f"{burst_load}: app / offline engine throughput "
+              f"{ours[burst_load]['throughput'] / offline['throughput']:.2f}x (target >= 0.85)")
     beside = next((r for r in rows if "noise_cores" in r), None)
     if ours and offline and beside:
         print(f"{burst_load}: offline engine beside {beside['noise_cores']:.2f} cores of busy-waiting / alone "

@@ -61,7 +61,7 @@ def decode_rate(llm: LLM, batch: int, prompt_len: int, tokens: int) -> float:
 
 def read_bytes(llm: LLM) -> int:
     """Weight bytes one decode step reads: everything but the embedding table (a lookup)."""
-    model = llm.llm_engine.model_runner.model
+    model = llm.llm_engine.core.executor.driver_worker.model
     embed = model.model.embed_tokens.weight
     return weight_bytes(model) - (0 if model.config.tie_word_embeddings else embed.numel() * embed.element_size())
 
@@ -69,8 +69,9 @@ def read_bytes(llm: LLM) -> int:
 def bench_ours(model: str, args) -> tuple[dict, dict]:
     blocks_per_request = -(-(args.prompt_len + args.decode_tokens + 2) // 16)
     blocks = max(args.batches) * blocks_per_request + 8
-    engines = {name: LLM(model, num_kv_blocks=blocks, max_num_seqs=max(args.batches), max_model_len=16 * blocks_per_request,
-                         num_threads=args.threads, **kwargs) for name, kwargs in OURS.items() if name in args.systems}
+    engines = {name: LLM(model, num_kv_blocks=blocks, max_num_seqs=max(args.batches),
+                         max_model_len=16 * blocks_per_request, num_threads=args.threads, **kwargs)
+               for name, kwargs in OURS.items() if name in args.systems}
     for llm in engines.values():  # warm-up: kernels built, first allocations made
         decode_rate(llm, 1, args.prompt_len, 2)
     rates: dict[tuple[str, int], float] = {}
@@ -119,7 +120,8 @@ def compute_rates(threads: int, n: int = 2048, k: int = 1536, group: int = 128) 
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
     packed = pack_weight(torch.randn(n, k, generator=gen), 16)
-    q8, s8 = pack_int8(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)), torch.rand(n, generator=gen) / 100
+    q8, s8 = (pack_int8(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)),
+              torch.rand(n, generator=gen) / 100)
     q4, s4 = pack_int4(torch.randint(0, 16, (n, k), generator=gen)), torch.rand(n, k // group, generator=gen) / 100
     p4 = pack_int4_params(s4, -8 * s4)
     calls = {"float32": lambda x: packed_linear(x, packed, None), "int8": lambda x: int8_linear(x, q8, s8, None),

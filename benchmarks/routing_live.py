@@ -114,7 +114,8 @@ def main() -> None:
     print("| router | prefix-cache hit rate | TTFT p50 ms | TTFT p99 ms | output tok/s |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['router']} | {r['hit_rate']:.1%} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | {r['throughput']:.0f} |")
+        print(f"| {r['router']} | {r['hit_rate']:.1%} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | "
+              f"{r['throughput']:.0f} |")
     prefix, pow2 = rows
     print()
     print(f"hit rate prefix / pow2: {prefix['hit_rate'] / max(pow2['hit_rate'], 1e-9):.2f}x (target >= 2x)")

@@ -36,7 +36,14 @@ from benchmarks.cluster_sim.replica import ReplicaConfig  # noqa: E402
 from benchmarks.cluster_sim.routers import ROUTERS, make_router  # noqa: E402
 from benchmarks.cluster_sim.sim import SimConfig, simulate  # noqa: E402
 from benchmarks.cluster_sim.workloads import (  # noqa: E402
-    ChatShape, TenantShape, Workload, bursty, multi_tenant, multi_turn, zipf, zipf_weights,
+    ChatShape,
+    TenantShape,
+    Workload,
+    bursty,
+    multi_tenant,
+    multi_turn,
+    zipf,
+    zipf_weights,
 )
 
 SLO = Slo(ttft_s=2.0, tpot_s=0.25)

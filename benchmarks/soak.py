@@ -115,8 +115,8 @@ class RssSeries:
         growth, slope = self.growth(), self.slope()
         lines.append(f"{'growth':>9}" + "".join(f"{growth[n]:>+{width}.1%}" if n in growth else f"{'n/a':>{width}}"
                                                 for n in names))
-        lines.append(f"{'slope':>9}" + "".join(f"{slope[n] * 100:>+{width - 1}.2f}%" if n in slope else f"{'n/a':>{width}}"
-                                               for n in names))
+        lines.append(f"{'slope':>9}" + "".join(f"{slope[n] * 100:>+{width - 1}.2f}%" if n in slope
+                                               else f"{'n/a':>{width}}" for n in names))
         lines.append(f"(MiB; * = end of warm-up; growth = end over warm-up; slope = least squares over the last "
                      f"{SLOPE_WINDOW:,} requests or the last half, % of warm-up per 1,000 requests)")
         return "\n".join(lines)

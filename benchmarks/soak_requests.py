@@ -73,7 +73,8 @@ class Spec:
             "stop_token": {**forced, "stop_token_ids": [self.STOP_TOKEN]},
             "stop_string": {**forced, "stop": [self.stop_text]},
             "json": {"max_tokens": JSON_MAX_TOKENS, "temperature": 0.8,
-                     "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}},
+                     "response_format": {"type": "json_schema",
+                                         "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}},
         }[self.ending])
         return body
 

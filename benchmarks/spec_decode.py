@@ -93,7 +93,8 @@ def main() -> None:
     print("| workload | batch | plain tok/s | spec tok/s | speedup | (wall) | acceptance | tokens/verify | identical |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, bs, plain, spec, speedup, wall, rate, length, same in rows:
-        print(f"| {name} | {bs} | {plain:.0f} | {spec:.0f} | {speedup:.2f}x | {wall:.2f}x | {rate:.0%} | {length:.2f} | {same} |")
+        print(f"| {name} | {bs} | {plain:.0f} | {spec:.0f} | {speedup:.2f}x | {wall:.2f}x | {rate:.0%} | {length:.2f} "
+              f"| {same} |")
 
 
 if __name__ == "__main__":

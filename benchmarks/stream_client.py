@@ -70,7 +70,8 @@ def uniform_workload(n: int, rate: float | None, seed: int = 0, prompt_range: tu
     return out
 
 
-async def run_open_loop(requests: list[Request], send: Callable[[list[int], int], Awaitable[Result]]) -> tuple[list[Result], float]:
+async def run_open_loop(requests: list[Request],
+                        send: Callable[[list[int], int], Awaitable[Result]]) -> tuple[list[Result], float]:
     start = time.perf_counter()
 
     async def one(at: float, prompt: list[int], max_tokens: int) -> Result:
@@ -108,7 +109,8 @@ def http_client(keepalive: bool = True) -> aiohttp.ClientSession:
                                  timeout=aiohttp.ClientTimeout(total=600))
 
 
-async def send_openai(client: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int) -> Result:
+async def send_openai(client: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
+                      max_tokens: int) -> Result:
     """Our app's /v1/completions (OpenAI's, with vLLM's ignore_eos and continuous usage)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}

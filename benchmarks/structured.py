@@ -66,9 +66,9 @@ def run(llm: LLM, reqs, constrained_every: int | None) -> dict:
         SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True)
         for i, (_, m) in enumerate(reqs)
     ]
-    manager = llm.llm_engine.structured_output
+    manager = llm.llm_engine.core.structured_output
     fill, advance = _Timer(manager, "apply_bitmask"), _Timer(manager, "advance")
-    steps_before = llm.llm_engine._num_steps
+    steps_before = llm.llm_engine.core._num_steps
     start = time.perf_counter()
     outs = llm.generate([p for p, _ in reqs], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -77,7 +77,7 @@ def run(llm: LLM, reqs, constrained_every: int | None) -> dict:
     return {
         "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
         "elapsed": elapsed,
-        "steps": llm.llm_engine._num_steps - steps_before,
+        "steps": llm.llm_engine.core._num_steps - steps_before,
         "constrained": len(constrained),
         "stopped": sum(o.outputs[0].finish_reason == "stop" for o in constrained),
         "mask_s": fill.total,
@@ -107,7 +107,8 @@ def main() -> None:
     for name, r in results.items():
         steps = max(r["steps"], 1)
         print(f"{name:<10} {r['tokens']:>10} {r['elapsed']:>8.2f} {r['tokens'] / r['elapsed']:>9.0f} {r['steps']:>6} "
-              f"{r['stopped']:>4}/{r['constrained']:<5} {1e3 * r['mask_s'] / steps:>13.3f} {1e3 * r['advance_s'] / steps:>16.3f}")
+              f"{r['stopped']:>4}/{r['constrained']:<5} {1e3 * r['mask_s'] / steps:>13.3f} "
+              f"{1e3 * r['advance_s'] / steps:>16.3f}")
     base, mixed = (r["tokens"] / r["elapsed"] for r in results.values())
     print(f"\nthroughput ratio (50% json / none): {mixed / base:.2f}")
 

@@ -30,7 +30,8 @@ HOSTILE_TEXTS: dict[str, tuple[str, bool, bool]] = {
     "reversed surrogate pair": ("\ude00\ud83d", False, True),
     "NUL and controls": ("a\x00b\x01\x07\x1b[31m\x7f\x9f\r\n\t", True, True),
     "combining sequence": ("e" + "\u0301\u0323\u0302" * 40, True, True),
-    "ZWJ emoji": ("\U0001F468\u200d\U0001F469\u200d\U0001F467\u200d\U0001F466 \U0001F3F3\ufe0f\u200d\U0001F308", True, True),
+    "ZWJ emoji": ("\U0001F468\u200d\U0001F469\u200d\U0001F467\u200d\U0001F466 \U0001F3F3\ufe0f\u200d\U0001F308",
+                  True, True),
     "right-to-left": ("\u202eabc\u202c \u05e9\u05dc\u05d5\u05dd \u0645\u0631\u062d\u0628\u0627 \u200f", True, True),
     "noncharacters and BOM": ("\ufeff\ufffe\uffff\U0010ffff x", True, True),
     "overlong line": ("word " * 40_000, True, False),
@@ -60,7 +61,8 @@ def drawn_texts(count: int, seed: int) -> dict[str, tuple[str, bool, bool]]:
 
 def _is_prompt_text(path: tuple) -> bool:
     """The text is a prompt or a message's words: short valid text there must be served."""
-    return path[0] in ("prompt", "messages", "system") and (path[0] == "prompt" or path[-1] in ("content", "text", "system"))
+    return (path[0] in ("prompt", "messages", "system")
+            and (path[0] == "prompt" or path[-1] in ("content", "text", "system")))
 
 
 def _bodies(model: str) -> dict[str, dict]:
@@ -255,4 +257,5 @@ def table(outcomes: Iterable[TextOutcome]) -> str:
             return "drawn (valid)" if case.valid else "drawn (not Unicode)"
         return case.text_name
 
-    return status_table(((row(o.case), o.status, o.problem is not None) for o in outcomes), "hostile text", "wrong", 32, 8)
+    return status_table(((row(o.case), o.status, o.problem is not None) for o in outcomes), "hostile text", "wrong",
+                        32, 8)

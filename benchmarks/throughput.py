@@ -100,14 +100,16 @@ def step_overhead(llm: LLM, reqs, kind: RequestOutputKind, steps: int = 20) -> d
     detokenization, RequestOutputs). FINAL_ONLY is LLM.generate's mode; DELTA is a server streaming every
     request, which detokenizes and builds an output per request per step."""
     engine = llm.llm_engine
-    runner = engine.model_runner
+    core = engine.core
+    model = core.executor.driver_worker.model
     for p, _ in reqs:
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True, output_kind=kind))
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+    while engine.core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                               for r in engine.core.scheduler.running):
         engine.step()
     timings: dict[str, float] = defaultdict(float)
-    hooks = [(runner.model, "forward"), (runner.model, "compute_logits"), (runner, "sampler"), (runner, "execute"),
-             (engine.scheduler, "schedule"), (engine.scheduler, "update_from_output"), (engine, "_emit")]
+    hooks = [(model, "forward"), (model, "compute_logits"), (core.step_sampler, "sampler"), (core, "_execute"),
+             (core.scheduler, "schedule"), (core.scheduler, "update_from_output"), (engine, "_emit")]
     originals = []
     for obj, name in hooks:
         fn = getattr(obj, name)
@@ -126,8 +128,8 @@ def step_overhead(llm: LLM, reqs, kind: RequestOutputKind, steps: int = 20) -> d
     total = time.perf_counter() - start
     for obj, name, fn in originals:
         setattr(obj, name, fn)
-    running = engine.scheduler.num_running
-    engine.abort_request([r.external_id for r in list(engine.scheduler.running)])
+    running = engine.core.scheduler.num_running
+    engine.abort_request([r.external_id for r in list(engine.core.scheduler.running)])
     ms = {k: v / steps * 1e3 for k, v in timings.items()}
     model = ms["forward"] + ms["compute_logits"] + ms["sampler"]
     return {
@@ -135,7 +137,7 @@ def step_overhead(llm: LLM, reqs, kind: RequestOutputKind, steps: int = 20) -> d
         "step_ms": total / steps * 1e3,
         "model_ms": model,
         "schedule_ms": ms["schedule"],
-        "input_prep_ms": ms["execute"] - model,
+        "input_prep_ms": ms["_execute"] - model,
         "output_ms": ms["update_from_output"] + ms["_emit"],
     }
 
@@ -156,7 +158,8 @@ def main() -> None:
     llm = make_llm(args)
     rows.append(("(a) pagedserve LLM.generate", *run_ours(llm, reqs)))
     print(f"  {rows[-1][0]}: {rows[-1][1] / rows[-1][2]:.0f} tok/s", flush=True)
-    overheads = {kind: step_overhead(llm, reqs, kind) for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA)}
+    overheads = {kind: step_overhead(llm, reqs, kind)
+                 for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA)}
     del llm
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
@@ -176,11 +179,13 @@ def main() -> None:
         rate = tokens / seconds
         print(f"| {name} | {tokens} | {seconds:.1f} | {rate:.0f} | {ours / rate:.2f}x |")
     print()
-    print("| decode step, 200 running | step ms | model (forward+logits+sampler) | scheduling + input prep (target < 2 ms) | output processing |")
+    print("| decode step, 200 running | step ms | model (forward+logits+sampler) "
+          "| scheduling + input prep (target < 2 ms) | output processing |")
     print("|---|---:|---:|---:|---:|")
     for kind, o in overheads.items():
         print(f"| outputs {kind.value} | {o['step_ms']:.1f} | {o['model_ms']:.1f} | "
-              f"{o['schedule_ms']:.2f} + {o['input_prep_ms']:.2f} = {o['schedule_ms'] + o['input_prep_ms']:.2f} | {o['output_ms']:.2f} |")
+              f"{o['schedule_ms']:.2f} + {o['input_prep_ms']:.2f} = {o['schedule_ms'] + o['input_prep_ms']:.2f} | "
+              f"{o['output_ms']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ ARMS = {  # name -> (route, body of a large text)
     "no large texts": None,
     "4 MiB /v1/completions prompt": ("/v1/completions", lambda text: {"model": MODEL, "prompt": text, "max_tokens": 4}),
     "4 MiB chat message": ("/v1/chat/completions",
-                           lambda text: {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4}),
+                           lambda text: {"model": MODEL, "messages": [{"role": "user", "content": text}],
+                                         "max_tokens": 4}),
     "4 MiB /tokenize": ("/tokenize", lambda text: {"model": MODEL, "prompt": text}),
     "largest tokenizable prompt": ("/tokenize", lambda text: {"model": MODEL, "prompt": text[:LARGEST_CHARS]}),
 }
@@ -108,9 +109,10 @@ def main() -> None:
     finally:
         live_app.stop()
     base = rows[0]["ttft_p99"]
-    print(f"short requests: {args.rate}/s for {args.duration:.0f} s per arm; a {args.mib} MiB text every {args.every} s\n")
-    print(f"{'arm':<32}{'short':>7}{'TTFT p50':>10}{'TTFT p99':>10}{'p99 ratio':>11}{'large':>7}  {'large statuses':<18}"
-          f"{'large p50 s':>12}")
+    print(f"short requests: {args.rate}/s for {args.duration:.0f} s per arm; "
+          f"a {args.mib} MiB text every {args.every} s\n")
+    print(f"{'arm':<32}{'short':>7}{'TTFT p50':>10}{'TTFT p99':>10}{'p99 ratio':>11}{'large':>7}  "
+          f"{'large statuses':<18}{'large p50 s':>12}")
     for r in rows:
         statuses = ", ".join(f"{k}: {v}" for k, v in sorted(r["large_status"].items())) or "-"
         print(f"{r['arm']:<32}{r['short']:>7}{r['ttft_p50']:>10.1f}{r['ttft_p99']:>10.1f}{r['ttft_p99'] / base:>10.2f}x"

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.kv_transfer.base import KVTransferConfig
+from engine.kv_transfer.config import KVTransferConfig
 from engine.spec_decode.config import SpeculativeConfig
 
 

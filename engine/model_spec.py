@@ -167,7 +167,8 @@ def check_expert_layout(config: EngineConfig, cfg: ModelConfig) -> None:
                              f"parallel); use one of {_divisors(moe.num_experts)} or turn enable_expert_parallel off")
     elif moe.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size: {tp} does not divide the experts' intermediate size "
-                         f"{moe.intermediate_size}; use one of {_divisors(moe.intermediate_size)} or enable_expert_parallel")
+                         f"{moe.intermediate_size}; use one of {_divisors(moe.intermediate_size)} or "
+                         "enable_expert_parallel")
     if moe.shared_expert_intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size: {tp} does not divide shared_expert_intermediate_size="
                          f"{moe.shared_expert_intermediate_size}")

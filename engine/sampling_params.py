@@ -49,18 +49,21 @@ class StructuredOutputsParams(ValidTextModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     # `json` would shadow BaseModel.json: the field is `json_schema`, set as json=... like vLLM's.
-    json_schema: dict[str, Any] | bool | str | None = Field(None, alias="json", description="A JSON schema (dict or its text).")
+    json_schema: dict[str, Any] | bool | str | None = Field(
+        None, alias="json", description="A JSON schema (dict or its text).")
     json_object: bool | None = Field(None, description="True: any JSON object.")
     regex: str | None = Field(None, description="A regular expression the whole output matches.")
     choice: list[str] | None = Field(None, description="The output is exactly one of these strings.")
     grammar: str | None = Field(None, description="An EBNF grammar whose `root` rule the output matches.")
     structural_tag: str | None = Field(None, description="An xgrammar structural tag, as JSON text: "
-                                       '{"type": "structural_tag", "format": ...} or {"structures": [...], "triggers": [...]}.')
+                                       '{"type": "structural_tag", "format": ...} or '
+                                       '{"structures": [...], "triggers": [...]}.')
     disable_any_whitespace: bool | None = Field(
         None, description="JSON whitespace: unset or True generates compact JSON; False allows any whitespace.")
     disable_additional_properties: bool = Field(
         False, description="JSON properties the schema does not name are never generated (always so here: strict).")
-    disable_fallback: bool = Field(False, description="Accepted for vLLM: there is one backend, xgrammar, and no fallback.")
+    disable_fallback: bool = Field(
+        False, description="Accepted for vLLM: there is one backend, xgrammar, and no fallback.")
     whitespace_pattern: str | None = Field(None, description="Not supported by the xgrammar backend; rejected.")
 
     @model_validator(mode="after")
@@ -73,7 +76,8 @@ class StructuredOutputsParams(ValidTextModel):
                              "use disable_any_whitespace (compact JSON is the default)")
         kind, text = self.kind, self.text
         if len(text.encode()) > MAX_GRAMMAR_BYTES:
-            raise ValueError(f"structured_outputs: the {kind} is {len(text.encode())} bytes; at most {MAX_GRAMMAR_BYTES} are accepted")
+            raise ValueError(f"structured_outputs: the {kind} is {len(text.encode())} bytes; at most "
+                             f"{MAX_GRAMMAR_BYTES} are accepted")
         if kind == "json":
             schema = self.schema
             if not isinstance(schema, (dict, bool)):
@@ -159,7 +163,8 @@ class SamplingParams(ValidTextModel):
     logit_bias: dict[int, float] | None = Field(None, description="Token id -> bias in [-100, 100] added to its logit.")
     seed: int | None = Field(None, description="Per-request seed: same seed, same samples, whatever the batch.")
     max_tokens: int | None = Field(16, ge=1, description="Most tokens to generate; None runs to max_model_len.")
-    min_tokens: int = Field(0, ge=0, description="EOS, stop tokens and stop strings are ignored before this many tokens.")
+    min_tokens: int = Field(
+        0, ge=0, description="EOS, stop tokens and stop strings are ignored before this many tokens.")
     ignore_eos: bool = Field(False, description="Keep generating past the EOS token.")
     stop: list[str] = Field(default_factory=list, description="Strings that end the output (not included).")
     stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end the request.")

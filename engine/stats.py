@@ -51,4 +51,5 @@ class EngineStats:
     @property
     def spec_decode_mean_acceptance_length(self) -> float:
         """Tokens emitted per verification: the accepted drafts plus the target's own token."""
-        return 1.0 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts if self.spec_decode_num_drafts else 0.0
+        return (1.0 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts
+                if self.spec_decode_num_drafts else 0.0)

@@ -36,10 +36,10 @@ from serve_app.openai_serving import OpenAIServing, _Tally
 from serve_app.protocol.anthropic import (
     AnthropicErrorResponse,
     Conversation,
+    MessageParam,
     MessagesRequest,
     MessagesResponse,
     MessagesUsage,
-    MessageParam,
     MessageTokensCount,
     StopReason,
     TextBlock,
@@ -115,11 +115,13 @@ def _tool_fields(req: Conversation) -> dict:
     named function, disable_parallel_tool_use is parallel_tool_calls=false."""
     if not req.tools and req.tool_choice is None:
         return {}
-    tools = [{"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.input_schema}}
+    tools = [{"type": "function",
+              "function": {"name": t.name, "description": t.description, "parameters": t.input_schema}}
              for t in req.tools or []]
     choice = req.tool_choice
     if choice is not None and choice.type in ("any", "tool") and not tools:
-        raise APIError(400, f"tool_choice: type {choice.type!r} needs `tools`", param="tool_choice", code="invalid_value")
+        raise APIError(400, f"tool_choice: type {choice.type!r} needs `tools`", param="tool_choice",
+                       code="invalid_value")
     fields: dict = {"tools": tools or None}
     if choice is not None:
         fields["tool_choice"] = ({"type": "function", "function": {"name": choice.name}} if choice.type == "tool"
@@ -295,7 +297,8 @@ class AnthropicServing:
             for event in blocks.close():
                 yield event
             reason, sequence = stop_reason(c, finish_reason)
-            yield "message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            yield "message_delta", {"type": "message_delta",
+                                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                     "usage": {"output_tokens": tally.completion_tokens}}
             yield "message_stop", {"type": "message_stop"}
         finally:

@@ -41,7 +41,8 @@ def build_app(args: AppArgs) -> Application:
         return engine
     # The ingress holds the clients' streams: it drains as long as the engine replicas do.
     return OpenAIIngress.options(num_replicas=args.ingress_replicas,
-                                 graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s).bind(engine, args.model_dump(exclude_unset=True))
+                                 graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s).bind(
+        engine, args.model_dump(exclude_unset=True))
 
 
 def _engine_deployment(args: AppArgs, name: str, role: str | None, router: str, router_kwargs: dict, **extra):

@@ -58,13 +58,15 @@ class PoolConfig(BaseModel):
         None, description="Ray Serve autoscaling_config of the pool (replaces num_replicas); without a `policy`, our "
         "policy on the pool's own signals (a prefill pool: queued prefill tokens and TTFT; a decode pool: KV usage "
         "and waiting requests). min_replicas must stay >= 1.")
-    engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig fields overriding the top-level `engine`.")
+    engine: dict[str, Any] = Field(default_factory=dict,
+                                   description="EngineConfig fields overriding the top-level `engine`.")
 
     @model_validator(mode="after")
     def _never_empty(self) -> PoolConfig:
         if self.autoscaling_config is not None and self.autoscaling_config.get("min_replicas", 1) < 1:
             raise ValueError("autoscaling_config.min_replicas: a pool may not scale to 0 replicas while prefill/decode "
-                             "disaggregation is on (requests would find no prefill or no decode replica); use 1 or more")
+                             "disaggregation is on (requests would find no prefill or no decode replica); "
+                             "use 1 or more")
         return self
 
 
@@ -83,7 +85,8 @@ class DisaggregationConfig(BaseModel):
     on_transfer_failure: Literal["recompute", "fail"] = Field(
         "recompute", description="When the remote prefill or the KV transfer fails (the prefill replica died, the "
         "lease ran out, the transfer failed or timed out): prefill locally, or fail the request with a 503.")
-    transfer_timeout_s: float = Field(30.0, gt=0, description="Longest wait for each hop: the remote prefill, the fetch.")
+    transfer_timeout_s: float = Field(
+        30.0, gt=0, description="Longest wait for each hop: the remote prefill, the fetch.")
     kv_lease_s: float = Field(
         30.0, gt=0, description="How long a prefill replica holds a prompt's KV for the decode replica to fetch.")
 
@@ -175,7 +178,8 @@ class AppArgs(BaseModel):
     @model_validator(mode="after")
     def _check_lora(self) -> AppArgs:
         if self.allow_runtime_lora_updating and not self.lora_root:
-            raise ValueError("lora_root: allow_runtime_lora_updating needs the folder runtime loads may read adapters from")
+            raise ValueError("lora_root: allow_runtime_lora_updating needs the folder runtime loads may read adapters "
+                             "from")
         return self
 
     @property
@@ -256,7 +260,7 @@ class AppArgs(BaseModel):
     def engine_config(self, role: str | None = None) -> EngineConfig:
         """The engine replicas' EngineConfig; with `role` ("prefill" | "decode"), that pool's: the pool's
         overrides, and its part in the KV transfer."""
-        # Replicas run the engine loop in its own process unless told otherwise (engine_core.py: why), and
+        # Replicas run the engine loop in its own process unless told otherwise (engine/core/engine_loop.py: why), and
         # a multi-rank engine's other ranks as Ray actors in the replica's placement group.
         defaults: dict[str, Any] = {"multiprocess": True, "collect_step_timings": self.tracing.detailed,
                                   "enable_lora": self.serves_lora}
@@ -272,8 +276,8 @@ class AppArgs(BaseModel):
 
     def pd_settings(self) -> dict[str, Any]:
         d = self.disaggregation
-        return {"min_uncached_prompt_tokens": d.min_uncached_prompt_tokens, "on_transfer_failure": d.on_transfer_failure,
-                "transfer_timeout_s": d.transfer_timeout_s}
+        return {"min_uncached_prompt_tokens": d.min_uncached_prompt_tokens,
+                "on_transfer_failure": d.on_transfer_failure, "transfer_timeout_s": d.transfer_timeout_s}
 
     def placement(self, engine: EngineConfig) -> dict[str, Any]:
         """Deployment options of a multi-rank replica: one bundle per rank (bundle 0 also holding the
@@ -281,11 +285,13 @@ class AppArgs(BaseModel):
         if engine.world_size == 1:
             return {}
         cuda = engine.device == "cuda"
-        bundle = dict(self.placement_group_config.bundle_per_worker or ({"GPU": 1.0, "CPU": 1.0} if cuda else {"CPU": 0.01}))
+        bundle = dict(self.placement_group_config.bundle_per_worker
+                      or ({"GPU": 1.0, "CPU": 1.0} if cuda else {"CPU": 0.01}))
         actor = dict(self.ray_actor_options)
         if bundle.get("GPU"):
             actor["num_gpus"] = bundle["GPU"]
         first = {**bundle, "CPU": bundle.get("CPU", 0) + actor.get("num_cpus", 0)}
-        strategy = self.placement_group_config.strategy or ("STRICT_PACK" if engine.pipeline_parallel_size == 1 else "PACK")
+        strategy = (self.placement_group_config.strategy
+                    or ("STRICT_PACK" if engine.pipeline_parallel_size == 1 else "PACK"))
         return {"placement_group_bundles": [first] + [dict(bundle) for _ in range(engine.world_size - 1)],
                 "placement_group_strategy": strategy, "ray_actor_options": actor}

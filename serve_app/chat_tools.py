@@ -125,7 +125,8 @@ class ChoiceTools:
             return content, None, finish_reason
         return content, [_tool_call(c) for c in calls], "tool_calls" if finish_reason == "stop" else finish_reason
 
-    def delta(self, new_text: str, finish_reason: str | None) -> tuple[str | None, list[DeltaToolCall] | None, str | None]:
+    def delta(self, new_text: str,
+              finish_reason: str | None) -> tuple[str | None, list[DeltaToolCall] | None, str | None]:
         """(content delta, tool-call deltas, finish_reason) for the text a stream chunk adds."""
         mode = self.plan.mode
         if mode == "none":
@@ -134,7 +135,8 @@ class ChoiceTools:
         self.text += new_text
         done = finish_reason is not None
         if mode == "named":
-            fn = DeltaFunctionCall(name=self.plan.function, arguments=new_text) if first else DeltaFunctionCall(arguments=new_text)
+            fn = (DeltaFunctionCall(name=self.plan.function, arguments=new_text) if first
+                  else DeltaFunctionCall(arguments=new_text))
             deltas = [DeltaToolCall(index=0, id=self.call_id, type="function", function=fn)] if first else (
                 [DeltaToolCall(index=0, function=fn)] if new_text else None)
             return None, deltas, ("tool_calls" if finish_reason == "stop" else finish_reason)

@@ -38,7 +38,8 @@ def cgroup_v1(root: Path, cpus: int) -> Reading | None:
     usage = _read(root / "sys/fs/cgroup/cpuacct/cpuacct.usage")
     if usage is None or not usage.strip().isdigit():
         return None
-    quota, period = _read(root / "sys/fs/cgroup/cpu/cpu.cfs_quota_us"), _read(root / "sys/fs/cgroup/cpu/cpu.cfs_period_us")
+    quota, period = (_read(root / "sys/fs/cgroup/cpu/cpu.cfs_quota_us"),
+                     _read(root / "sys/fs/cgroup/cpu/cpu.cfs_period_us"))
     limited = quota is not None and period is not None and int(quota) > 0
     return int(usage) / 1e9, min(cpus, int(quota) / int(period)) if limited else cpus
 

@@ -14,7 +14,7 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_hashes: list[int]  # engine.block_hash.hash_block_chain of the prompt: what routing matches on
+    block_hashes: list[int]  # engine.core.block_hash.hash_block_chain of the prompt: what routing matches on
     priority: int = 0
     cache_salt: str | None = None
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent/tracestate carrier

@@ -10,7 +10,7 @@ import asyncio
 import json
 import threading
 
-from engine.input_processor import InputProcessor, resolve_eos_token_ids
+from engine.frontend.input_processor import InputProcessor, resolve_eos_token_ids
 from engine.sampling_params import StructuredOutputsParams
 from engine.structured_output import GrammarCompiler
 from serve_app.errors import APIError

@@ -13,10 +13,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from engine.input_processor import text_chars
+from engine.frontend.input_processor import text_chars
 from serve_app.errors import APIError, from_exception, from_http_exception, from_validation_errors
 from serve_app.openai_serving import tokenize_off_loop_if_large
-from serve_app.tracing import TracingMiddleware
 from serve_app.protocol.openai import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -29,6 +28,7 @@ from serve_app.protocol.openai import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from serve_app.tracing import TracingMiddleware
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from engine.input_processor import InputProcessor
+from engine.frontend.input_processor import InputProcessor
 from serve_app import lora_routes, replica_context, tracing
 from serve_app.anthropic_serving import AnthropicServing, add_routes
 from serve_app.app_args import AppArgs

@@ -19,16 +19,16 @@ from opentelemetry.trace import SpanKind
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
+from engine.frontend.async_llm import AsyncLLM
 from engine.kv_transfer import KVTransferConfig
 from engine.outputs import RequestOutput, StepTiming
 from engine.stats import EngineStats
 from serve_app import replica_context, tracing
 from serve_app.cpu_utilization import CpuUtilization
-from serve_app.engine_request import EngineRequest
 from serve_app.disaggregation.orchestrator import PDSettings, PrefillOrchestrator
 from serve_app.disaggregation.transfer import KVFetchRequest, KVFetchResult, PrefillResult, put_staged
+from serve_app.engine_request import EngineRequest
 from serve_app.metrics import DisaggregationMetrics, EngineMetrics, RecentTTFT
 from serve_app.ray_workers import RayWorkerLauncher
 
@@ -69,7 +69,8 @@ class LLMServer:
         self.model_name = served_model_name
         self.tracer = tracing.setup_tracing(
             tracing.TracingConfig(**(tracing_config or {})),
-            {"pagedserve.component": "engine", "gen_ai.request.model": served_model_name, "pagedserve.replica": replica_id},
+            {"pagedserve.component": "engine", "gen_ai.request.model": served_model_name,
+             "pagedserve.replica": replica_id},
         )
         config = EngineConfig(**engine_config)
         launcher = None
@@ -129,7 +130,8 @@ class LLMServer:
                 self.ttft.observe(output)
                 if request_trace is not None:
                     request_trace.observe(output)
-                yield dataclasses.replace(output, metrics=None, prompt_token_ids=output.prompt_token_ids if first else [])
+                yield dataclasses.replace(output, metrics=None,
+                                          prompt_token_ids=output.prompt_token_ids if first else [])
                 first = False
                 if self.saturated and not output.finished:
                     await asyncio.sleep(self.pacing.interval_s)
@@ -149,7 +151,8 @@ class LLMServer:
         final = None
         async for output in self.llm.generate(request.prompt_token_ids, request.sampling_params,
                                               request_id=request.request_id, priority=request.priority,
-                                              cache_salt=request.cache_salt, kv_transfer_params={"do_remote_decode": True},
+                                              cache_salt=request.cache_salt,
+                                              kv_transfer_params={"do_remote_decode": True},
                                               lora_request=request.lora_request):
             final = output
             self.metrics.observe(output)
@@ -210,8 +213,9 @@ class LLMServer:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         s = self.llm.stats
-        return {"kv_cache_usage": s.kv_cache_usage, "num_waiting": float(s.num_waiting), "num_running": float(s.num_running),
-                "queued_prefill_tokens": float(s.queued_prefill_tokens), "ttft_s": self.ttft.p90()}
+        return {"kv_cache_usage": s.kv_cache_usage, "num_waiting": float(s.num_waiting),
+                "num_running": float(s.num_running), "queued_prefill_tokens": float(s.queued_prefill_tokens),
+                "ttft_s": self.ttft.p90()}
 
     def record_routing_stats(self) -> dict:
         """Load, the prefix cache's block summary (packed uint64 short hashes) and the LoRA adapters the
@@ -278,7 +282,8 @@ class _RequestTrace:
             "llm_request", context=tracing.extract(request.trace_context), kind=SpanKind.SERVER,
             attributes={
                 "gen_ai.request.model": lora.lora_name if lora is not None else server.model_name,
-                "pagedserve.lora.name": lora.lora_name if lora is not None else "", "gen_ai.request.id": request.request_id,
+                "pagedserve.lora.name": lora.lora_name if lora is not None else "",
+                "gen_ai.request.id": request.request_id,
                 "gen_ai.response.id": request.request_id, "gen_ai.request.max_tokens": params.max_tokens or 0,
                 "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
                 "gen_ai.request.n": params.n, "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
@@ -326,7 +331,8 @@ class _RequestTrace:
                     span.add_event(name, timestamp=tracing.epoch_ns(t))
             for t in m.preempted_times:
                 span.add_event("preempted", timestamp=tracing.epoch_ns(t))
-            latencies = {"gen_ai.latency.time_in_queue": m.queue_time, "gen_ai.latency.time_to_first_token": m.time_to_first_token,
+            latencies = {"gen_ai.latency.time_in_queue": m.queue_time,
+                         "gen_ai.latency.time_to_first_token": m.time_to_first_token,
                          "gen_ai.latency.e2e": m.e2e_latency}
             span.set_attributes({k: v for k, v in latencies.items() if v is not None})
             span.set_attribute("gen_ai.usage.output_tokens", m.num_generation_tokens)
@@ -336,8 +342,10 @@ class _RequestTrace:
                 span.add_event("finished", timestamp=tracing.epoch_ns(m.finished_time))
         if out is not None:
             span.set_attribute("gen_ai.usage.cache_read_input_tokens", out.num_cached_tokens)
-        span.set_attribute("gen_ai.response.finish_reasons", [self.finish_reasons[i] for i in sorted(self.finish_reasons)])
+        span.set_attribute("gen_ai.response.finish_reasons",
+                           [self.finish_reasons[i] for i in sorted(self.finish_reasons)])
         if self.record_content:
             prompt = self.server.llm.tokenizer.decode(self.request.prompt_token_ids)
-            span.set_attributes({"gen_ai.prompt": prompt, "gen_ai.completion": [self.text[i] for i in sorted(self.text)]})
+            span.set_attributes({"gen_ai.prompt": prompt,
+                                 "gen_ai.completion": [self.text[i] for i in sorted(self.text)]})
         span.end()

@@ -2,7 +2,7 @@
 
 Every ingress replica holds one and resolves the `model` of each request through it: the adapter's
 LoRARequest travels in the EngineRequest, and its digest enters the prompt's block hashes, so that the
-router and the replica's prefix cache speak of the same blocks (engine/block_hash.py). Engine replicas
+router and the replica's prefix cache speak of the same blocks (engine/core/block_hash.py). Engine replicas
 need nothing else: they load the adapter from the request's path, and report what they hold.
 
 Where it lives. Adapters declared in `lora_modules` are read from the app's config by every ingress
@@ -50,7 +50,8 @@ class LoRAModule(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=256, description="The model name clients use for the adapter.")
-    path: str = Field(min_length=1, description="A PEFT adapter folder (adapter_config.json, adapter_model.safetensors).")
+    path: str = Field(min_length=1,
+                      description="A PEFT adapter folder (adapter_config.json, adapter_model.safetensors).")
 
 
 @dataclass(frozen=True)

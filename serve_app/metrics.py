@@ -17,8 +17,10 @@ from engine.stats import EngineStats
 
 _PREFIX = "pagedserve_"
 _TAGS = ("model_name", "replica")
-_LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
-_ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
+_LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+_ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+                0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
 
 # vLLM name -> the EngineStats counter it follows
 _COUNTERS = {
@@ -54,7 +56,8 @@ class EngineMetrics:
         self.success = Counter(_PREFIX + "request_success", description="Finished requests by finish reason.",
                                tag_keys=(*_TAGS, "finished_reason"))
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Mean time between output tokens, per request.", _ITL_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Mean time between output tokens, per request.",
+                             _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
         self.lora_requests = Counter(_PREFIX + "lora_requests", description="Requests per LoRA adapter.",

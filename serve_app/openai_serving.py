@@ -12,8 +12,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.block_hash import hash_block_chain
-from engine.input_processor import InputProcessor, text_chars
+from engine.core.block_hash import hash_block_chain
+from engine.frontend.input_processor import InputProcessor, text_chars
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from serve_app import tracing
@@ -44,7 +44,6 @@ from serve_app.protocol.openai import (
     new_id,
 )
 from serve_app.tool_parsers import get_tool_parser
-
 
 # Tokenizing costs about 0.5 ms per 1,000 characters here. A text above this many is tokenized in a
 # thread (HF's fast tokenizer releases the GIL while it works), so that one large prompt does not stall
@@ -125,7 +124,8 @@ class OpenAIServing:
                 return self.lora.resolve(model)
             except AdapterNotFound:
                 raise APIError(404, f"The model `{model}` does not exist: it is neither `{self.model_name}` nor one of "
-                               "its LoRA adapters (GET /v1/models lists them).", param="model", code="model_not_found") from None
+                               "its LoRA adapters (GET /v1/models lists them).", param="model",
+                               code="model_not_found") from None
         raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                        param="model", code="model_not_found")
 
@@ -141,7 +141,8 @@ class OpenAIServing:
         """The model name a response carries: the one the request named (an adapter's), else the base model's."""
         return req.model or self.model_name
 
-    async def structured_outputs(self, req: SamplingFields, plan: ToolPlan | None = None) -> StructuredOutputsParams | None:
+    async def structured_outputs(self, req: SamplingFields,
+                                 plan: ToolPlan | None = None) -> StructuredOutputsParams | None:
         """The format the request constrains its output to, compiled once here to reject a bad one (400)."""
         so, param = requested_format(req)
         if plan is not None and plan.structured_outputs is not None:
@@ -151,12 +152,13 @@ class OpenAIServing:
         return so
 
     def sampling_params(
-        self, req: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None, kind: RequestOutputKind,
-        structured_outputs: StructuredOutputsParams | None = None,
+        self, req: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None,
+        kind: RequestOutputKind, structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         room = self.processor.max_model_len - prompt_len
         if room < 1:
-            what = "the chat prompt (messages, system prompt and tools)" if isinstance(req, ChatCompletionRequest) else "the prompt"
+            what = ("the chat prompt (messages, system prompt and tools)" if isinstance(req, ChatCompletionRequest)
+                    else "the prompt")
             raise APIError(400, f"prompt: {what} has {prompt_len} tokens, which leave no room to generate within this "
                            f"model's maximum context length of {self.processor.max_model_len}", param="prompt",
                            code="context_length_exceeded")
@@ -181,7 +183,8 @@ class OpenAIServing:
         except ValueError as e:
             raise from_exception(e) from e
 
-    def engine_request(self, request_id: str, prompt: _Prompt, params: SamplingParams, req: SamplingFields) -> EngineRequest:
+    def engine_request(self, request_id: str, prompt: _Prompt, params: SamplingParams,
+                       req: SamplingFields) -> EngineRequest:
         adapter = self.check_model(req.model)
         try:
             prepared = self.processor.prepare_request(prompt.token_ids, params, request_id, priority=req.priority,
@@ -273,7 +276,8 @@ class OpenAIServing:
             raise APIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
         try:
             with tracing.span("tokenize", prompts=len(items)):
-                ids = await tokenize_off_loop_if_large(text_chars(items), lambda: [self.processor.tokenize(p) for p in items])
+                ids = await tokenize_off_loop_if_large(text_chars(items),
+                                                       lambda: [self.processor.tokenize(p) for p in items])
         except ValueError as e:
             raise from_exception(e) from e
         return [_Prompt(token_ids, p if isinstance(p, str) else None) for token_ids, p in zip(ids, items)]
@@ -348,7 +352,8 @@ class OpenAIServing:
             token_text = self.token_text(token)
             logprobs.tokens.append(token_text)
             logprobs.token_logprobs.append(None if entry is None else entry[token].logprob)
-            logprobs.top_logprobs.append(None if entry is None else {self.token_text(t): lp.logprob for t, lp in entry.items()})
+            logprobs.top_logprobs.append(None if entry is None
+                                         else {self.token_text(t): lp.logprob for t, lp in entry.items()})
             logprobs.text_offset.append(position)
             position += len(token_text)
         return position
@@ -364,7 +369,8 @@ class OpenAIServing:
             for c in output.outputs:
                 index = i * req.n + c.index
                 first = index not in sent_text
-                choice = self._completion_choice(req, i, prompts[i], output, c, first=first, offset=sent_text.get(index, 0))
+                choice = self._completion_choice(req, i, prompts[i], output, c, first=first,
+                                                 offset=sent_text.get(index, 0))
                 sent_text[index] = sent_text.get(index, 0) + len(choice.text)
                 if choice.text or choice.finish_reason or (choice.logprobs and choice.logprobs.tokens):
                     choices.append(choice)
@@ -384,7 +390,8 @@ class OpenAIServing:
                 kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
             with tracing.span("tokenize", messages=len(messages)):
                 token_ids = await tokenize_off_loop_if_large(
-                    text_chars(messages), self.processor.apply_chat_template, messages, req.add_generation_prompt, **kwargs)
+                    text_chars(messages), self.processor.apply_chat_template, messages, req.add_generation_prompt,
+                    **kwargs)
         except ValueError as e:
             raise from_exception(e) from e
         return _Prompt(token_ids, None)
@@ -413,7 +420,8 @@ class OpenAIServing:
             top = sorted(((t, lp) for t, lp in entry.items()), key=lambda x: x[1].rank)[: req.top_logprobs or 0]
             content.append(TokenLogprob(
                 token=text, logprob=entry[token].logprob, bytes=list(text.encode()),
-                top_logprobs=[TopLogprob(token=self.token_text(t), logprob=lp.logprob, bytes=list(self.token_text(t).encode()))
+                top_logprobs=[TopLogprob(token=self.token_text(t), logprob=lp.logprob,
+                                         bytes=list(self.token_text(t).encode()))
                               for t, lp in top],
             ))
         return ChoiceLogprobs(content=content)
@@ -429,7 +437,8 @@ class OpenAIServing:
             choices.append(ChatChoice(index=c.index, message=ResponseMessage(content=content, tool_calls=tool_calls),
                                       logprobs=self._chat_logprobs(req, c), finish_reason=finish_reason,
                                       stop_reason=c.stop_reason))
-        return ChatCompletionResponse(id=request_id, model=self.response_model(req), choices=choices, usage=tally.usage())
+        return ChatCompletionResponse(id=request_id, model=self.response_model(req), choices=choices,
+                                      usage=tally.usage())
 
     async def _chat_stream(self, req, request_id, engine_request, plan: ToolPlan) -> AsyncIterator[ChatCompletionChunk]:
         tally = _Tally()

@@ -52,12 +52,14 @@ class RayWorkerLauncher(WorkerLauncher):
     def launch(self, config: EngineConfig, rendezvous_timeout_s: float) -> Rendezvous:
         placement_group = ray.util.get_current_placement_group()
         if placement_group is None:
-            raise RuntimeError("the ray backend starts a replica's workers in its placement group; this replica has none")
+            raise RuntimeError("the ray backend starts a replica's workers in its placement group; this replica has "
+                               "none")
         host = ray.util.get_node_ip_address()
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=rendezvous_timeout_s))
         layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
-        rendezvous = Rendezvous(host, self.store.port, f"pagedserve-{uuid.uuid4().hex[:12]}", layout, rendezvous_timeout_s)
+        rendezvous = Rendezvous(host, self.store.port, f"pagedserve-{uuid.uuid4().hex[:12]}", layout,
+                                rendezvous_timeout_s)
         self.rendezvous = rendezvous
         workers = [rank for rank in range(layout.world_size) if rank != layout.output_rank]
         try:

@@ -75,7 +75,8 @@ def resolve(config: TracingConfig) -> ResolvedTracing:
         exporter=config.exporter or env.get("OTEL_TRACES_EXPORTER", "none"),
         protocol=config.protocol or env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
         or env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
-        endpoint=config.endpoint or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+        endpoint=config.endpoint or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
         sampling_ratio=config.sampling_ratio if config.sampling_ratio is not None
         else float(env.get("OTEL_TRACES_SAMPLER_ARG", "1.0")),
         service_name=config.service_name or env.get("OTEL_SERVICE_NAME", "pagedserve"),
@@ -104,7 +105,8 @@ def setup_tracing(config: TracingConfig, attributes: Mapping[str, str], exporter
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     else:
-        provider.add_span_processor(BatchSpanProcessor(_exporter(resolved), schedule_delay_millis=resolved.export_interval_ms))
+        provider.add_span_processor(BatchSpanProcessor(_exporter(resolved),
+                                                       schedule_delay_millis=resolved.export_interval_ms))
     _TRACER, _CONFIG, _PROVIDER = provider.get_tracer("pagedserve"), resolved, provider
     return _TRACER
 

@@ -40,7 +40,15 @@ _SMALL = dict(
 
 
 def _arch_configs():
-    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     return {
         # Llama 3 rope scaling and tied embeddings
@@ -64,10 +72,10 @@ def _arch_configs():
         # renormalizes top-4 of 8 (transformers writes its expert count as num_local_experts).
         "mixtral": MixtralConfig(**{**_SMALL, "intermediate_size": 48}, num_local_experts=8, num_experts_per_tok=2,
                                  sliding_window=None),
-        "qwen2_moe": Qwen2MoeConfig(**_SMALL, moe_intermediate_size=48, shared_expert_intermediate_size=96, num_experts=8,
-                                    num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1]),
-        "qwen3_moe": Qwen3MoeConfig(**_SMALL, head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=4,
-                                    norm_topk_prob=True),
+        "qwen2_moe": Qwen2MoeConfig(**_SMALL, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                                    num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1]),
+        "qwen3_moe": Qwen3MoeConfig(**_SMALL, head_dim=32, moe_intermediate_size=32, num_experts=8,
+                                    num_experts_per_tok=4, norm_topk_prob=True),
     }
 
 

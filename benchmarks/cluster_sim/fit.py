@@ -88,13 +88,13 @@ def measure(repeats: int = 3, seed: int = 0) -> list[Sample]:
     """Real engine steps, each scheduled whole (the token budget exceeds every mix)."""
     from engine import SamplingParams
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.frontend.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(
         model=MODEL, dtype="float32", device="cpu", num_threads=1, max_model_len=4096,
         num_kv_blocks=3072, max_num_seqs=256, max_num_batched_tokens=4096,
     ))
-    sched = engine.scheduler
+    sched = engine.core.scheduler
     rng = random.Random(seed)
     tokens = lambda n: [rng.randrange(3, 32000) for _ in range(n)]  # noqa: E731
     forever = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True, detokenize=False)

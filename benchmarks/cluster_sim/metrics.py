@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.block_hash import hash_block_chain
+from engine.core.block_hash import hash_block_chain
 
 from .sim import SimOutcome, Trace
 

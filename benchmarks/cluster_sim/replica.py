@@ -22,12 +22,12 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from engine.block_hash import BlockHash, short_hash
-from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
+from engine.core.block_hash import BlockHash, short_hash
+from engine.core.block_pool import BlockPool
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
 
 from .fit import StepCostModel, prefill_pairs
 from .workloads import SimRequest

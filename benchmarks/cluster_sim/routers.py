@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
-from engine.block_hash import BlockHash, short_hash
+from engine.core.block_hash import BlockHash, short_hash
 from serve_app.routing.prefix_policy import PrefixRouterConfig, PrefixRouterPolicy, ReplicaLoad, RoutingDecision
 
 from .replica import SimReplica

@@ -23,7 +23,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.block_hash import BlockHash, hash_block_chain
+from engine.core.block_hash import BlockHash, hash_block_chain
 
 VOCAB = 32000
 _FIRST_TOKEN = 3  # below: special tokens (unk, bos, eos)

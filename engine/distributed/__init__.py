@@ -10,6 +10,7 @@ from engine.distributed.parallel_state import (
     get_world_group,
     init_parallel_groups,
     parallel_groups,
+    pp_layer_range,
 )
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "ParallelLayout",
     "get_pp_group",
     "get_tp_group",
+    "pp_layer_range",
     "get_world_group",
     "init_parallel_groups",
     "parallel_groups",

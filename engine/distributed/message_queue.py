@@ -135,7 +135,8 @@ class MessageQueueReader:
         except FileNotFoundError:  # another host: payloads come over the socket
             pass
         self._header_bytes = 8 * max(info["num_readers"], 1)
-        self.read_seq = None if self.ring is None else np.frombuffer(self.ring, dtype=np.int64, count=max(info["num_readers"], 1))
+        self.read_seq = (None if self.ring is None
+                         else np.frombuffer(self.ring, dtype=np.int64, count=max(info["num_readers"], 1)))
         self.sock = socket.create_connection((info["host"], info["port"]))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.sendall(struct.pack("<qq", index, int(self.ring is not None)))

@@ -55,6 +55,14 @@ class ParallelLayout:
         return [s * self.tensor_parallel_size + tp_rank for s in range(self.pipeline_parallel_size)]
 
 
+def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """Layers [start, end) of a stage: an even split, the remainder on the first stages (the last one
+    also holds the norm and the LM head)."""
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (pp_rank < extra)
+
+
 _CPU = torch.device("cpu")
 
 

@@ -52,15 +52,25 @@ class Executor(ABC):
         run it in step order, before any step submitted after it."""
         return getattr(self.driver_worker, method)(*args)
 
+    @property
+    def device(self) -> torch.device:
+        """The driver rank's device: where the step's logits are, and every tensor the driver makes."""
+        return self.driver_worker.device
+
     def weight_bytes_per_rank(self) -> dict[int, int]:
         """Bytes of weights each rank holds, as measured on its loaded model."""
         return {0: self.driver_worker.weight_bytes}
+
+    def expert_load(self) -> list[int] | None:
+        """Tokens routed to each expert so far (MoE models, the driver's layers), or None."""
+        load = getattr(self.driver_worker.model, "expert_load", None)
+        return load.tolist() if load is not None else None
 
     def check_health(self) -> str | None:
         """Why the executor cannot serve (a worker died), or None."""
         return None
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional hook: an executor with no workers has nothing to stop
         """Stop every worker (idempotent)."""
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.kv_transfer import KVConnectorMetadata
+from engine.kv_transfer.base import KVConnectorMetadata
 from kernels.attention import AttentionMetadata
 
 

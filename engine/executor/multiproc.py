@@ -1,5 +1,5 @@
-"""The multiproc launcher: the ranks other than the driver's as processes on this host (engine/processes.py; offline
-`LLM`, `AsyncLLM`, tests). It hosts the rendezvous store; its processes die with it (daemonic)."""
+"""The multiproc launcher: the ranks other than the driver's as processes on this host (engine/frontend/processes.py;
+offline `LLM`, `AsyncLLM`, tests). It hosts the rendezvous store; its processes die with it (daemonic)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.distributed import ParallelLayout
 from engine.executor.base import WorkerLauncher
 from engine.executor.worker import Rendezvous, rank_error, run_worker
-from engine.processes import process_context
+from engine.frontend.processes import process_context
 
 _HOST = "127.0.0.1"
 

@@ -11,7 +11,8 @@ from engine.model_spec import ModelSpec
 
 
 class UniProcExecutor(Executor):
-    def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device, extra_bytes_per_block: int = 0) -> None:
+    def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device,
+                 extra_bytes_per_block: int = 0) -> None:
         super().__init__()
         start_rank(device)
         self.driver_worker = Worker(config, spec, device)

@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.distributed import ParallelGroups, ParallelLayout, init_parallel_groups, parallel_groups
 from engine.distributed.message_queue import MessageQueueReader
 from engine.executor.model_input import ModelInput
-from engine.kv_transfer.shared_memory import SharedMemoryConnector, kv_layout
+from engine.kv_transfer.factory import create_kv_connector
 from engine.lora.layers import LoRASlots
 from engine.lora.peft import LoRAAdapter
 from engine.model_spec import ModelSpec
@@ -85,12 +85,8 @@ class Worker:
         self.lora = LoRASlots(self.model, config.max_loras, config.max_lora_rank, spec.dtype, device) \
             if config.enable_lora else None
         self.pp = groups.pp if groups is not None else None
-        self.kv_connector = None
-        if config.kv_transfer_config is not None:
-            layout, stages = kv_layout(config, spec.model_config, spec.dtype)
-            rank = groups.world.global_rank if groups is not None else 0
-            self.kv_connector = SharedMemoryConnector(config.kv_transfer_config, "worker", layout, config.block_size,
-                                                      spec.dtype, rank, stages)
+        self.kv_connector = create_kv_connector(config, spec.model_config, spec.dtype, "worker",
+                                                rank=groups.world.global_rank if groups is not None else 0)
         self.attn_backend = None
         self._sends: list = []  # in-flight sends to the next stage, with the tensors they read
 

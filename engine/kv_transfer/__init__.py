@@ -3,6 +3,6 @@ interface (vLLM V1's scheduler-side / worker-side split) and the shared-memory c
 in files, which a transport (serve_app/disaggregation/transfer.py: Ray's object store) carries between
 hosts."""
 
-from engine.kv_transfer.base import KVConnector, KVConnectorMetadata, KVLayout, KVLoad, KVSave, KVTransferConfig
+from engine.kv_transfer.config import KVTransferConfig
 
-__all__ = ["KVConnector", "KVConnectorMetadata", "KVLayout", "KVLoad", "KVSave", "KVTransferConfig"]
+__all__ = ["KVTransferConfig"]  # the connectors: engine.kv_transfer.base / .factory (they import torch)

@@ -14,34 +14,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-from engine.request import Request
-from engine.shm_files import SHM_DIR
-
-
-class KVTransferConfig(BaseModel):
-    """EngineConfig.kv_transfer_config: this engine's part in disaggregated prefill/decode."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] = Field(
-        "kv_both", description="Produce KV for other engines (prefill), consume it (decode), or both.")
-    kv_connector: Literal["shared_memory"] = Field(
-        "shared_memory", description="Where KV is staged: files in shared memory on this host.")
-    lease_s: float = Field(
-        30.0, gt=0, description="A producer holds a finished request's blocks this long at most; a consumer's "
-        "confirmation releases them earlier.")
-    staging_dir: str | None = Field(
-        None, description="Directory of staged KV files (default /dev/shm); the engine refuses to start when it "
-        "cannot create files there.")
-
-    @property
-    def directory(self) -> str:
-        return self.staging_dir or SHM_DIR
+from engine.config import EngineConfig
+from engine.core.request import Request
+from engine.distributed import pp_layer_range
+from engine.kv_transfer.config import KVTransferConfig
+from engine.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -58,6 +39,16 @@ class KVLayout:
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def kv_layout(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> tuple[KVLayout, list[int]]:
+    """The staged-KV layout of an engine, and how many layers each pipeline stage holds."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    kv_heads = max(1, model_config.num_key_value_heads // tp)
+    layout = KVLayout(model_config.num_hidden_layers, tp, pp, kv_heads, model_config.head_dim,
+                      str(dtype).removeprefix("torch."))
+    stages = [end - start for start, end in (pp_layer_range(model_config.num_hidden_layers, s, pp) for s in range(pp))]
+    return layout, stages
 
 
 @dataclass
@@ -92,6 +83,14 @@ class KVConnectorMetadata:
 
 
 class KVConnector(ABC):
+    """A transport registers here (engine/kv_transfer/factory.py) and is built with
+    `(config, engine_id, layout, block_size, dtype, rank, layers_per_rank)`: on the driver `engine_id` names
+    this engine's staged KV; on a rank it is "worker"."""
+
+    @abstractmethod
+    def __init__(self, config: KVTransferConfig, engine_id: str, layout: KVLayout, block_size: int,
+                 dtype: torch.dtype, rank: int = 0, layers_per_rank: list[int] | None = None) -> None: ...
+
     # --- scheduler side (the driver) ------------------------------------------------------------------
 
     @abstractmethod
@@ -104,7 +103,8 @@ class KVConnector(ABC):
         """The request got blocks for its external tokens: load them in the coming step."""
 
     @abstractmethod
-    def build_connector_meta(self, requests: list[Request], num_scheduled_tokens: list[int]) -> KVConnectorMetadata:
+    def build_connector_meta(self, requests: list[Request], num_scheduled_tokens: list[int],
+                             block_ids: list[list[int]]) -> KVConnectorMetadata:
         """The loads and saves of the step about to run: the pending loads of `requests` stay pending until
         `loads_done`, so that a failed step's requests, retried one by one, load their KV again."""
 
@@ -125,18 +125,32 @@ class KVConnector(ABC):
     def release(self, request_id: str) -> None:
         """The consumer has the request's KV: release what is held for it."""
 
+    @property
+    @abstractmethod
+    def num_held(self) -> int:
+        """Finished requests whose blocks are held for a consumer."""
+
+    @abstractmethod
+    def holds(self, request_id: str) -> bool:
+        """Whether a finished request of this id still holds its blocks for a consumer: a new request of the
+        same id is refused meanwhile (it would share the held request's block table and staged KV)."""
+
+    @abstractmethod
+    def discard_held(self) -> None:
+        """The engine stops: drop everything held for consumers that will not fetch it now."""
+
     # --- worker side (every rank) ---------------------------------------------------------------------
 
     @abstractmethod
     def start_load_kv(self, meta: KVConnectorMetadata, kv_caches: list[torch.Tensor]) -> None:
         """Start loading this step's KV into this rank's caches (one per local layer)."""
 
-    def wait_for_layer_load(self, layer: int) -> None:
+    def wait_for_layer_load(self, layer: int) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Block until layer `layer`'s KV is loaded (a no-op for connectors that load synchronously)."""
 
     @abstractmethod
     def save_kv_layer(self, layer: int, kv_cache: torch.Tensor, meta: KVConnectorMetadata) -> None:
         """Save layer `layer`'s KV of this step's saves, once the layer has computed it."""
 
-    def wait_for_save(self) -> None:
+    def wait_for_save(self) -> None:  # noqa: B027 - optional hook, a no-op for connectors that save synchronously
         """Block until this step's saves are complete."""

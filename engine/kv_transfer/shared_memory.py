@@ -21,11 +21,9 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
-from engine.kv_transfer.base import KVConnector, KVConnectorMetadata, KVLayout, KVLoad, KVSave, KVTransferConfig
-from engine.models.config import ModelConfig
-from engine.models.llama import pp_layer_range
-from engine.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus
+from engine.kv_transfer.base import KVConnector, KVConnectorMetadata, KVLayout, KVLoad, KVSave
+from engine.kv_transfer.config import KVTransferConfig
 from engine.shm_files import check_writable_dir, owner, sweep
 from kernels.attention.backend import kv_rows
 
@@ -43,14 +41,6 @@ def is_staged_name(name: Any) -> bool:
 def staged_path(directory: str, name: str, rank: int) -> Path:
     return Path(directory) / f"{name}.rank{rank}.kv"
 
-
-def kv_layout(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> tuple[KVLayout, list[int]]:
-    """The staged-KV layout of an engine, and how many layers each pipeline stage holds."""
-    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-    kv_heads = max(1, model_config.num_key_value_heads // tp)
-    layout = KVLayout(model_config.num_hidden_layers, tp, pp, kv_heads, model_config.head_dim, str(dtype).removeprefix("torch."))
-    stages = [end - start for start, end in (pp_layer_range(model_config.num_hidden_layers, s, pp) for s in range(pp))]
-    return layout, stages
 
 
 class SharedMemoryConnector(KVConnector):
@@ -102,7 +92,8 @@ class SharedMemoryConnector(KVConnector):
         return end - num_computed_tokens
 
     def _staged_complete(self, name: str, num_tokens: int) -> bool:
-        per_layer = 2 * num_tokens * self.layout.num_kv_heads * self.layout.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+        per_layer = (2 * num_tokens * self.layout.num_kv_heads * self.layout.head_dim
+                     * torch.empty(0, dtype=self.dtype).element_size())
         for rank, layers in enumerate(self._layers_of_ranks()):
             path = staged_path(self.directory, name, rank)
             if not path.is_file() or path.stat().st_size != layers * per_layer:
@@ -120,13 +111,14 @@ class SharedMemoryConnector(KVConnector):
                                                              list(block_ids), start, start + num_external_tokens)
 
     def build_connector_meta(self, requests: list[Request], num_scheduled_tokens: list[int],
-                             block_ids: list[list[int]] | None = None) -> KVConnectorMetadata:
+                             block_ids: list[list[int]]) -> KVConnectorMetadata:
         saves = []
         if self.produces:
             for j, (request, n) in enumerate(zip(requests, num_scheduled_tokens)):
                 params = request.kv_transfer_params
                 prompt = request.num_prompt_tokens
-                if params and params.get("do_remote_decode") and request.num_computed_tokens < prompt <= request.num_computed_tokens + n:
+                if (params and params.get("do_remote_decode")
+                        and request.num_computed_tokens < prompt <= request.num_computed_tokens + n):
                     saves.append(KVSave(self.staged_name(request), list(block_ids[j]), prompt))
         loads = [self._pending_loads[r.request_id] for r in requests if r.request_id in self._pending_loads]
         return KVConnectorMetadata(loads, saves)
@@ -215,9 +207,11 @@ class SharedMemoryConnector(KVConnector):
     def wait_for_save(self) -> None:
         self._saving.clear()  # synchronous copies: done; the mapped files are flushed on unmap
 
-    def _rows(self, block_ids: list[int], start: int, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows(self, block_ids: list[int], start: int, end: int,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(start, end)
-        slots = torch.tensor(block_ids, dtype=torch.long)[positions // self.block_size] * self.block_size + positions % self.block_size
+        slots = (torch.tensor(block_ids, dtype=torch.long)[positions // self.block_size] * self.block_size
+                 + positions % self.block_size)
         k, v = kv_rows(slots, self.block_size)
         return k.to(device), v.to(device)
 
@@ -239,4 +233,5 @@ class SharedMemoryConnector(KVConnector):
         per_token = 2 * num_layers * self.layout.num_kv_heads * self.layout.head_dim * elem
         num_tokens = os.path.getsize(path) // per_token
         numel = num_layers * 2 * num_tokens * self.layout.num_kv_heads * self.layout.head_dim
-        return torch.from_file(str(path), shared=False, size=numel, dtype=self.dtype).view(self._shape(num_layers, num_tokens))
+        return torch.from_file(str(path), shared=False, size=numel,
+                               dtype=self.dtype).view(self._shape(num_layers, num_tokens))

@@ -108,7 +108,8 @@ class LinearWithLoRA(nn.Module):
     def set_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
         """Load this rank's shard of `adapter` into `slot` (None clears it)."""
         present = [] if adapter is None else [(k, adapter.weights[(self.layer_index, m)])
-                                               for k, m in enumerate(self.modules_) if (self.layer_index, m) in adapter.weights]
+                                               for k, m in enumerate(self.modules_)
+                                               if (self.layer_index, m) in adapter.weights]
         base = self.base_layer
         a_slot, b_slot = self.a_stack[slot], self.b_stack[slot]
         a_slot.zero_()
@@ -174,7 +175,8 @@ class LoRASlots:
     """One rank's adapter slots: wraps the model's attention and MLP projections at construction, then
     loads slots (on every rank, through Executor.collective_rpc) and takes each step's token slots."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
         self.max_loras, self.dtype, self.device = max_loras, dtype, device
         self.batch = LoRABatch()
         self.layers: list[LinearWithLoRA] = []

@@ -16,7 +16,7 @@ What we refuse, each with a message naming the field or the module: DoRA (`use_d
 `max_lora_rank`, adapters on modules other than the projections above (embeddings, LM head, experts,
 router), and tensors whose shapes do not fit the base model.
 
-The digest is the adapter's identity in the prefix cache (engine/block_hash.py): blake2b of the canonical
+The digest is the adapter's identity in the prefix cache (engine/core/block_hash.py): blake2b of the canonical
 config (rank, scale) and every tensor, name, dtype, shape and bytes. Two names for the same files share KV
 blocks; new weights under an old name never meet the old KV."""
 
@@ -100,17 +100,19 @@ def read_adapter_config(path: Path, name: str, max_lora_rank: int) -> dict:
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise _refuse(name, f"`lora_alpha` must be a number, got {alpha!r}")
     if config.get("use_dora"):
-        raise _refuse(name, "`use_dora` is true: DoRA adapters are not supported; merge the magnitude vector or use a plain LoRA")
+        raise _refuse(name, "`use_dora` is true: DoRA adapters are not supported; merge the magnitude vector or use a "
+                      "plain LoRA")
     if config.get("modules_to_save"):
-        raise _refuse(name, f"`modules_to_save` ({config['modules_to_save']}) is not supported: the adapter must only add "
-                      "low-rank deltas to the base model's projections")
+        raise _refuse(name, f"`modules_to_save` ({config['modules_to_save']}) is not supported: the adapter must "
+                      "only add low-rank deltas to the base model's projections")
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
             raise _refuse(name, f"`{key}` is not supported: every module must share `r` and `lora_alpha`")
     if config.get("bias", "none") != "none":
         raise _refuse(name, f"`bias` is {config['bias']!r}: trained biases are not supported (only 'none')")
     if config.get("fan_in_fan_out"):
-        raise _refuse(name, "`fan_in_fan_out` is true: only adapters of nn.Linear layers (fan_in_fan_out=false) are supported")
+        raise _refuse(name, "`fan_in_fan_out` is true: only adapters of nn.Linear layers (fan_in_fan_out=false) are "
+                      "supported")
     if config.get("target_parameters"):
         raise _refuse(name, f"`target_parameters` ({config['target_parameters']}) is not supported: LoRA on raw "
                       "parameters (a mixture-of-experts model's experts) is not served; target the attention "
@@ -129,7 +131,8 @@ def adapter_scale(config: dict) -> float:
     return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
 
 
-def load_peft_adapter(name: str, int_id: int, path: str | Path, model_config: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
+def load_peft_adapter(name: str, int_id: int, path: str | Path, model_config: ModelConfig,
+                      max_lora_rank: int) -> LoRAAdapter:
     """Read and validate a PEFT adapter folder against the base model. Raises ValueError naming the problem
     (a corrupt, mismatched or unreadable adapter), never anything else for bad files."""
     try:
@@ -138,7 +141,8 @@ def load_peft_adapter(name: str, int_id: int, path: str | Path, model_config: Mo
         raise _refuse(name, f"cannot read the adapter folder {path} ({type(e).__name__}: {e})") from None
 
 
-def _read_adapter(name: str, int_id: int, path: str | Path, model_config: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
+def _read_adapter(name: str, int_id: int, path: str | Path, model_config: ModelConfig,
+                  max_lora_rank: int) -> LoRAAdapter:
     folder = Path(path)
     if not folder.is_dir():
         raise _refuse(name, f"{path} is not an adapter folder")
@@ -171,9 +175,9 @@ def _read_adapter(name: str, int_id: int, path: str | Path, model_config: ModelC
             raise _refuse(name, f"{where} has lora_A but no lora_B")
         out_features, in_features = targetable_projections(model_config, layer)[module]
         if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
-            raise _refuse(name, f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the base model "
-                          f"(expected {(rank, in_features)} and {(out_features, rank)} for r={rank}); is it an adapter "
-                          "of another model?")
+            raise _refuse(name, f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the base "
+                          f"model (expected {(rank, in_features)} and {(out_features, rank)} for r={rank}); is it an "
+                          "adapter of another model?")
         if not (a.is_floating_point() and b.is_floating_point()):
             raise _refuse(name, f"{where}: LoRA weights must be floating point, got {a.dtype} and {b.dtype}")
         for label, t in (("A", a), ("B", b)):
@@ -183,7 +187,8 @@ def _read_adapter(name: str, int_id: int, path: str | Path, model_config: ModelC
         if not (torch.isfinite(a32).all() and torch.isfinite(b32).all()):
             raise _refuse(name, f"{where}: LoRA weights hold NaN or infinite values")
         weights[(layer, module)] = (a32.contiguous(), b32.contiguous())
-    orphans = [f"layers.{layer}.{module}" for layer, module, which in tensors if which == "B" and (layer, module) not in weights]
+    orphans = [f"layers.{layer}.{module}" for layer, module, which in tensors
+               if which == "B" and (layer, module) not in weights]
     if orphans:
         raise _refuse(name, f"{orphans[0]} has lora_B but no lora_A")
     return LoRAAdapter(name, int_id, str(path), rank, scale, digest.hexdigest(), weights)

@@ -84,7 +84,8 @@ CHAT_TEMPLATE = (
     "{%- endif %}{%- endfor %}"
     "{%- for message in loop_messages %}"
     "{%- if message['role'] == 'user' %}"
-    "{%- if tools and loop.index0 == ns.last_user %}{{ '[AVAILABLE_TOOLS] ' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}"
+    "{%- if tools and loop.index0 == ns.last_user %}"
+    "{{ '[AVAILABLE_TOOLS] ' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}"
     "{%- endif %}"
     "{%- if loop.first and system %}{{ '[INST] ' + system + '\\n\\n' + message['content'] + ' [/INST]' }}"
     "{%- else %}{{ '[INST] ' + message['content'] + ' [/INST]' }}{%- endif %}"
@@ -131,7 +132,8 @@ def materialize_builtin(name: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=path.parent))
     try:
-        seed = _WEIGHT_SEEDS.get(name) or int(hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:8], 16)
+        seed = _WEIGHT_SEEDS.get(name) or int(
+            hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:8], 16)
         write_checkpoint(tmp, spec, seed=seed)
         try:
             os.rename(tmp, path)  # atomic: concurrent replicas either win or find it done

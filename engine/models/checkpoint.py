@@ -23,7 +23,8 @@ class CheckpointTensor:
     """A tensor of a checkpoint (a safetensors slice, or an in-memory tensor) with the part of it that
     will be read: `narrow` composes, `load` reads."""
 
-    def __init__(self, source, shape: tuple[int, ...], dtype: torch.dtype, index: tuple[slice, ...] | None = None) -> None:
+    def __init__(self, source, shape: tuple[int, ...], dtype: torch.dtype,
+                 index: tuple[slice, ...] | None = None) -> None:
         self.source = source
         self.shape = shape
         self.dtype = dtype

@@ -49,7 +49,8 @@ class MoEConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Hugging Face's rule (Qwen2-MoE / Qwen3-MoE; Mixtral has no exceptions)."""
-        return layer not in self.mlp_only_layers and self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_dict(cls, arch: str, raw: dict[str, Any]) -> MoEConfig:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed import get_pp_group
+from engine.distributed import get_pp_group, pp_layer_range
 from engine.models.checkpoint import CheckpointTensor
 from engine.models.config import ModelConfig
 from engine.models.layers import (
@@ -35,20 +35,14 @@ from kernels.attention import AttentionBackend
 IntermediateTensors = tuple[torch.Tensor, torch.Tensor]
 
 
-def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
-    """Layers [start, end) of a stage: an even split, the remainder on the first stages (the last one
-    also holds the norm and the LM head)."""
-    base, extra = divmod(num_layers, pp_size)
-    start = pp_rank * base + min(pp_rank, extra)
-    return start, start + base + (pp_rank < extra)
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, quant_config: QuantizationConfig | None, prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, quant_config: QuantizationConfig | None,
+                 prefix: str) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                          bias=cfg.qkv_bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias=cfg.qkv_bias, quant_config=quant_config,
+                                          prefix=f"{prefix}.qkv_proj")
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -93,7 +87,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, quant_config: QuantizationConfig | None, prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, quant_config: QuantizationConfig | None,
+                 prefix: str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, rope, quant_config, f"{prefix}.self_attn")
@@ -179,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
     def fused_modules(cls) -> dict[str, list[str]]:
         """Our fused layer -> the checkpoint modules in it, in shard order."""
         fused: dict[str, list[str]] = {}
-        for hf, (ours, shard) in sorted(cls.packed_modules.items(), key=lambda item: item[1]):
+        for hf, (ours, _shard) in sorted(cls.packed_modules.items(), key=lambda item: item[1]):
             fused.setdefault(ours, []).append(hf)
         return fused
 
@@ -210,7 +205,8 @@ class LlamaForCausalLM(nn.Module):
         parts = param_name.split(".")
         if parts[:2] == ["model", "layers"]:
             return not self.model.start_layer <= int(parts[2]) < self.model.end_layer
-        return (parts[:2] == ["model", "norm"] and self.model.norm is None) or (parts[0] == "lm_head" and self.lm_head is None)
+        return ((parts[:2] == ["model", "norm"] and self.model.norm is None)
+                or (parts[0] == "lm_head" and self.lm_head is None))
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Load checkpoint tensors, each narrowed to this rank's part; raises naming what is missing."""
@@ -224,7 +220,8 @@ class LlamaForCausalLM(nn.Module):
             if ours not in params:
                 if self._on_other_stage(ours):
                     continue
-                raise ValueError(f"model: checkpoint tensor {name!r} matches no parameter of {self.config.architecture}")
+                raise ValueError(f"model: checkpoint tensor {name!r} matches no parameter of "
+                                 f"{self.config.architecture}")
             param = params[ours]
             loader = getattr(param, "weight_loader", None)
             try:
@@ -244,7 +241,8 @@ class LlamaForCausalLM(nn.Module):
         for module_name, module in self.named_modules():
             shards = range(module.num_shards) if getattr(module, "num_shards", 1) > 1 else [None]
             for param_name, param in module.named_parameters(recurse=False):
-                if id(param) not in seen and not getattr(param, "optional", False):  # a tied LM head shares the embedding's weight
+                # a tied LM head shares the embedding's weight
+                if id(param) not in seen and not getattr(param, "optional", False):
                     seen.add(id(param))
                     expected.update((f"{module_name}.{param_name}", s) for s in shards)
         return expected
@@ -260,9 +258,11 @@ def checkpoint_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                    p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)}
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                   p + "mlp.down_proj.weight": (h, i)}
         if c.qkv_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)}
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
         if c.o_proj_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         if c.mlp_bias:
@@ -296,4 +296,5 @@ def dummy_checkpoint(model: LlamaForCausalLM, seed: int) -> Iterable[tuple[str, 
         elif name.endswith(".bias"):
             yield name, CheckpointTensor.of(torch.zeros(shape))
         else:
-            yield name, CheckpointTensor(_RandomTensor(shape, seed ^ zlib.crc32(name.encode()), std), shape, torch.float32)
+            yield name, CheckpointTensor(_RandomTensor(shape, seed ^ zlib.crc32(name.encode()), std), shape,
+                                         torch.float32)

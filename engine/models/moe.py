@@ -23,7 +23,8 @@ from engine.models.layers.quantization import QuantizationConfig
 from engine.models.llama import MLP, DecoderLayer, LlamaForCausalLM, checkpoint_shapes
 
 # Checkpoint names of an expert's projections (Qwen / DeepSeek style, Mixtral style) -> gate, up, down.
-_EXPERT_PROJECTION_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+_EXPERT_PROJECTION_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
+                            "w1": "gate", "w3": "up", "w2": "down"}
 _EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
@@ -103,7 +104,8 @@ class MoEForCausalLM(LlamaForCausalLM):
         as the architecture's Hugging Face checkpoints name them."""
         moe, h = cfg.moe, cfg.hidden_size
         mixtral = cfg.architecture == "MixtralForCausalLM"
-        block, (gate, up, down) = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else ("mlp", ("gate_proj", "up_proj", "down_proj"))
+        block, (gate, up, down) = (("block_sparse_moe", ("w1", "w3", "w2")) if mixtral
+                                   else ("mlp", ("gate_proj", "up_proj", "down_proj")))
         i, s = moe.intermediate_size, moe.shared_expert_intermediate_size
         shapes: dict[str, tuple[int, ...]] = {}
         for name, shape in checkpoint_shapes(cfg).items():

@@ -10,39 +10,72 @@ drafts, so rejected drafts need no cleanup: their slots are rewritten before any
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
-import numpy as np
 import torch
 
-from engine.kv_cache_manager import KVCacheManager
-from engine.models.llama import LlamaForCausalLM
-from engine.request import Request
-from engine.sampler import build_sampling_metadata, processed_probs
+from engine.config import EngineConfig
+from engine.core.block_table import BlockTable
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request
+from engine.executor.model_input import ModelInput
+from engine.executor.worker import Worker
+from engine.model_spec import ModelSpec
+from engine.models.config import ModelConfig
+from engine.models.layers.quantization import QuantizationConfig, resolve_quant_config
+from engine.models.loader import resolve_model_path
+from engine.sample.sampler import build_sampling_metadata, processed_probs
 from engine.spec_decode.rejection_sampler import draw
-from kernels.attention import AttentionBackend, AttentionMetadata
 
-# (starts, query lengths, block-table rows, widest row) -> attention metadata and token positions
-PrepareInputs = Callable[[list[int], list[int], list[int], int], tuple[AttentionMetadata, torch.Tensor]]
+
+@dataclass(frozen=True)
+class DraftCheckpoint:
+    """The draft model of `speculative_config.model`, checked against the target before any worker starts."""
+
+    path: Path
+    model_config: ModelConfig
+    quant_config: QuantizationConfig | None
+
+    @classmethod
+    def resolve(cls, model: str, target: ModelSpec) -> DraftCheckpoint:
+        path = resolve_model_path(model)
+        cfg = ModelConfig.from_pretrained(path)
+        if cfg.vocab_size != target.model_config.vocab_size:
+            raise ValueError(
+                f"speculative_config.model: the draft's vocabulary has {cfg.vocab_size} tokens, the target's "
+                f"{target.model_config.vocab_size}; pick a draft that shares the target's tokenizer"
+            )
+        if cfg.max_position_embeddings < target.max_model_len:
+            raise ValueError(
+                f"speculative_config.model: the draft handles {cfg.max_position_embeddings} positions, fewer than "
+                f"max_model_len={target.max_model_len}; lower max_model_len or pick another draft"
+            )
+        return cls(path, cfg, resolve_quant_config(None, cfg.quantization_config))
+
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """What the draft's KV adds to each of the target's blocks (the target's KV budget holds both)."""
+        c = self.model_config
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * block_size * dtype.itemsize
+
+    def build_worker(self, config: EngineConfig, target: ModelSpec, device: torch.device, num_blocks: int) -> Worker:
+        """The draft as one whole rank on the driver's device (a Worker, as any rank of the target), its KV
+        cache sized in the target's blocks."""
+        spec = ModelSpec(self.model_config, self.path, target.dtype, target.device_type, target.max_model_len,
+                         self.quant_config)
+        worker = Worker(config.model_copy(update={"enable_lora": False, "kv_transfer_config": None}), spec, device)
+        worker.init_kv_cache(num_blocks)
+        return worker
 
 
 class DraftModelProposer:
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        backend: AttentionBackend,
-        sync_row: Callable[[Request, KVCacheManager], tuple[int, int]],
-        prepare_inputs: PrepareInputs,
-        generator: torch.Generator,
-        device: torch.device,
-    ) -> None:
-        self.model = model
-        self.backend = backend
-        self.sync_row = sync_row
-        self.prepare_inputs = prepare_inputs
+    def __init__(self, worker: Worker, block_table: BlockTable, block_size: int, generator: torch.Generator) -> None:
+        self.worker = worker
+        self.block_table = block_table
+        self.block_size = block_size
         self.generator = generator
-        self.device = device
-        self.vocab_size = model.config.vocab_size
+        self.device = worker.device
+        self.vocab_size = worker.spec.model_config.vocab_size
         # Request id -> leading positions whose draft KV is valid. Rollback needs no bookkeeping: it is
         # clamped to the target's computed tokens, which rollback resets.
         self._num_computed: dict[str, int] = {}
@@ -110,17 +143,14 @@ class DraftModelProposer:
         starts, q_lens, rows, widths, input_ids = [], [], [], [], []
         last_row: dict[int, int] = {}
         for j, begin, tokens in seqs:
-            row, width = self.sync_row(requests[j], kv)
+            row, width = self.block_table.sync(requests[j].request_id, kv.get_block_ids(requests[j]))
             starts.append(begin)
             q_lens.append(len(tokens))
             rows.append(row)
             widths.append(width)
             input_ids.extend(tokens)
             last_row[j] = len(input_ids) - 1
-        md, positions = self.prepare_inputs(starts, q_lens, rows, max(widths))
-        self.backend.plan(md)
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device), positions, self.backend)
-        if not wanted:
-            return hidden[:0]
-        index = torch.from_numpy(np.asarray([last_row[j] for j in wanted], dtype=np.int64)).to(self.device)
-        return self.model.compute_logits(hidden[index])
+        inp = ModelInput.build(input_ids, starts, q_lens, self.block_table.table[rows, : max(widths)], self.block_size,
+                               [last_row[j] for j in wanted])
+        logits = self.worker.execute_model(inp)
+        return logits if logits is not None else torch.empty(0, self.vocab_size, device=self.device)

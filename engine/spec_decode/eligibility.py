@@ -4,7 +4,7 @@ time, exactly as without speculation."""
 
 from __future__ import annotations
 
-from engine.request import Request
+from engine.core.request import Request
 
 
 def can_draft(request: Request) -> bool:

@@ -24,7 +24,7 @@ from engine.sampling_params import StructuredOutputsParams
 from engine.structured_output.grammar import GrammarCompiler
 
 if TYPE_CHECKING:
-    from engine.request import Request
+    from engine.core.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,8 @@ def kv_rows(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor, 
     return k_rows, k_rows + block_size
 
 
-def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor) -> None:
+def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor,
+             v_rows: torch.Tensor) -> None:
     rows = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])
     rows.index_copy_(0, k_rows, k)
     rows.index_copy_(0, v_rows, v)

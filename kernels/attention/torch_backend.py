@@ -98,7 +98,8 @@ class TorchAttentionBackend(AttentionBackend):
         nd = self._num_decodes
         if nd and self._cpu_kernels is not None:
             block_tables, seq_lens = self._decode_tables
-            self._cpu_kernels.paged_decode_attention(out[:nd], q[:nd].contiguous(), kv_cache, block_tables, seq_lens, self.scale)
+            self._cpu_kernels.paged_decode_attention(out[:nd], q[:nd].contiguous(), kv_cache, block_tables, seq_lens,
+                                                     self.scale)
         elif nd:
             block_ids, mask, num_blocks = self._decode_gather
             keys, values = self._gather(kv_cache, block_ids)

@@ -10,8 +10,14 @@ import logging
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-from kernels.cpu import (KernelBuildError, load_cpu_kernels, load_elementwise_kernels, load_linear_kernels,
-                         load_moe_kernels, missing_toolchain)
+from kernels.cpu import (
+    KernelBuildError,
+    load_cpu_kernels,
+    load_elementwise_kernels,
+    load_linear_kernels,
+    load_moe_kernels,
+    missing_toolchain,
+)
 
 
 def _build(loader) -> str | None:

@@ -94,7 +94,8 @@ def packing_available(dtype: torch.dtype) -> bool:
     try:
         weight, x = torch.randn(4, 8, dtype=dtype), torch.randn(3, 8, dtype=dtype)
         with torch.no_grad():
-            return torch.allclose(packed_linear(x, pack_weight(weight, 3), None).float(), F.linear(x, weight).float(), atol=0.05)
+            return torch.allclose(packed_linear(x, pack_weight(weight, 3), None).float(), F.linear(x, weight).float(),
+                                  atol=0.05)
     except KernelBuildError:
         raise  # a broken kernel build must fail loudly, not read as "no oneDNN"
     except (RuntimeError, AttributeError) as e:  # a torch built without oneDNN, or a changed private op

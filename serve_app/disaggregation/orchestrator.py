@@ -104,7 +104,7 @@ class PrefillOrchestrator:
             if result is not None:  # the caller went away: the prefill side need not hold the KV any longer
                 self.release.remote(KVFetchRequest(result.replica_id, result.request_id))
             raise
-        except (RayError, RayServeException, TransferFailed, asyncio.TimeoutError, OSError) as e:
+        except (TimeoutError, RayError, RayServeException, TransferFailed, OSError) as e:
             return self._failed(request, e, result)
         self.metrics.remote_prefill()
         return remote

@@ -68,7 +68,8 @@ def _blocks(value: Any, allowed: tuple[str, ...]) -> Any:
             kind = block.get("type")
             if kind not in allowed:
                 raise PydanticCustomError(
-                    "unsupported_content_block", "block {index} is of type {kind}; only {allowed} blocks are supported here",
+                    "unsupported_content_block",
+                    "block {index} is of type {kind}; only {allowed} blocks are supported here",
                     {"index": i, "kind": repr(kind), "allowed": ", ".join(repr(a) for a in allowed)},
                 )
             for key, kinds in _REQUIRED[kind].items():

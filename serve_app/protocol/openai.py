@@ -116,7 +116,8 @@ class SamplingFields(_Request):
     priority: int = 0
     cache_salt: str | None = Field(None, max_length=256)
     request_id: str | None = Field(None, max_length=128)
-    # structured outputs: OpenAI's response_format, or vLLM's structured_outputs (json, regex, choice, grammar, structural_tag)
+    # structured outputs: OpenAI's response_format, or vLLM's structured_outputs (json, regex, choice, grammar,
+    # structural_tag)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
 

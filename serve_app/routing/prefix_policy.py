@@ -1,7 +1,7 @@
 """The prefix-affinity routing decision, as a pure core: no Ray here. The Ray adapter
 (serve_app/routing/ray_router.py) and the cluster simulator (benchmarks/) call it unchanged.
 
-A request arrives with its prompt's chained block hashes (engine/block_hash.py). For each replica we
+A request arrives with its prompt's chained block hashes (engine/core/block_hash.py). For each replica we
 estimate how many of those blocks, from block 0, it already holds: precisely, from the summary of cached
 block hashes the replica reports (when fresh enough), else approximately, from this router's own record
 of where it sent which prefixes (aged, LRU-bounded). Either way the prompts of this router's requests
@@ -38,7 +38,7 @@ import hashlib
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
-from engine.block_hash import short_hash
+from engine.core.block_hash import short_hash
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,8 @@ class PrefixRouterPolicy:
             ranked = sorted(replicas, key=lambda r: (self._load_cost(r, now) + self._kv_cost(r, len(hashes))
                                                      + self._adapter_cost(r, adapter, now),
                                                      _rendezvous(key, r.replica_id)))
-            return RoutingDecision([r.replica_id for r in ranked], 0, "short_prompt" if cfg.affinity else "load", "none")
+            return RoutingDecision([r.replica_id for r in ranked], 0, "short_prompt" if cfg.affinity else "load",
+                                   "none")
         scored = []
         for r in replicas:
             matched, source = self._matched(hashes, r, now)

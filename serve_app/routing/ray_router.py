@@ -15,7 +15,6 @@ from serve_app.disaggregation.transfer import KVFetchRequest
 from serve_app.engine_request import EngineRequest
 from serve_app.routing.prefix_policy import PrefixRouterConfig, PrefixRouterPolicy, ReplicaLoad
 
-
 # choose_replica's keyword when the caller only picks and HAProxy forwards the request (IngressRouter):
 # Serve will not report the request's end, so the policy ages it out instead (PrefixRouterPolicy.record_sent).
 SENT_OUT_OF_BAND = "sent_out_of_band"

@@ -89,7 +89,8 @@ def test_ray_adapter_on_an_autoscaling_context():
                                                           "num_waiting": dict(zip(reps, waiting)),
                                                           "num_running": dict(zip(reps, [1, 1]))},
             raw_metrics={}, capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4, policy_state={},
-            last_scale_up_time=None, last_scale_down_time=None, current_time=now, config=AutoscalingConfig(max_replicas=4),
+            last_scale_up_time=None, last_scale_down_time=None, current_time=now,
+            config=AutoscalingConfig(max_replicas=4),
         )
 
     policy = KVQueueAutoscalingPolicy(target_kv_cache_usage=0.5, downscale_delay_s=0)

@@ -36,7 +36,8 @@ def _write(dense: Path, out: Path, tensors: dict[str, torch.Tensor], quantizatio
     if quantization_config is not None:
         config["quantization_config"] = quantization_config
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     return out
 
 
@@ -109,7 +110,8 @@ def write_gptq(dense: Path, out: Path, bits: int, group_size: int, sym: bool, de
         gs = group_size if group_size > 0 else k
         groups = -(-k // gs)
         if desc_act:
-            key = prefix.rsplit(".", 1)[0] + ("." + prefix.rsplit(".", 1)[1] if prefix.endswith(("o_proj", "down_proj")) else "")
+            key = prefix.rsplit(".", 1)[0] + ("." + prefix.rsplit(".", 1)[1]
+                                              if prefix.endswith(("o_proj", "down_proj")) else "")
             perm = perms.setdefault(key, torch.randperm(k, generator=gen))
             g_idx = torch.empty(k, dtype=torch.int64)
             g_idx[perm] = torch.arange(k) // gs

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.llm_engine import LLMEngine
+from engine.frontend.llm_engine import LLMEngine
 from tests.conftest import TINY
 
 
@@ -17,8 +17,9 @@ def engine() -> LLMEngine:
 
 
 def _pool_is_free(engine: LLMEngine) -> bool:
-    pool = engine.scheduler.kv_cache_manager.block_pool
-    return pool.get_num_free_blocks() == pool.num_usable_blocks and not engine.scheduler.kv_cache_manager.req_to_blocks
+    pool = engine.core.scheduler.kv_cache_manager.block_pool
+    return (pool.get_num_free_blocks() == pool.num_usable_blocks
+            and not engine.core.scheduler.kv_cache_manager.req_to_blocks)
 
 
 def test_mixed_finish_and_abort_frees_everything(engine):
@@ -34,14 +35,14 @@ def test_mixed_finish_and_abort_frees_everything(engine):
         finished.update(o.request_id for o in engine.step() if o.finished)
         steps += 1
         if steps % 3 == 0:  # abort one running and one waiting request now and then
-            for queue in (engine.scheduler.running, list(engine.scheduler.waiting)):
+            for queue in (engine.core.scheduler.running, list(engine.core.scheduler.waiting)):
                 if queue:
                     victim = rng.choice(queue)
                     aborted.update(o.request_id for o in engine.abort_request(victim.external_id))
         assert steps < 2000
     assert finished | aborted == set(ids) and not finished & aborted
     assert aborted and finished
-    assert engine.scheduler.num_preemptions > 0  # the small pool forced some
+    assert engine.core.scheduler.num_preemptions > 0  # the small pool forced some
     assert _pool_is_free(engine)
 
 

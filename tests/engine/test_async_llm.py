@@ -21,7 +21,7 @@ def llm():
 
 
 def _pool_free(llm: AsyncLLM) -> bool:
-    pool = llm.engine.scheduler.kv_cache_manager.block_pool
+    pool = llm.engine.core.scheduler.kv_cache_manager.block_pool
     return pool.get_num_free_blocks() == pool.num_usable_blocks
 
 
@@ -89,7 +89,7 @@ def test_cancelling_the_consumer_aborts_the_request(llm):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await _wait_until(lambda: _pool_free(llm) and llm.engine.scheduler.num_running == 0)
+        await _wait_until(lambda: _pool_free(llm) and llm.engine.core.scheduler.num_running == 0)
         # Breaking out of the loop early (closing the generator) aborts too.
         gen = llm.generate("close me", SamplingParams(max_tokens=400, ignore_eos=True))
         await gen.__anext__()
@@ -165,15 +165,15 @@ def test_overload_raises_at_once():
 
 def test_a_failing_request_fails_alone():
     llm = AsyncLLM(EngineConfig(model=TINY, max_model_len=256))
-    runner = llm.engine.model_runner
-    real_execute = runner.execute
+    core = llm.engine.core
+    real_execute = core._execute
 
-    def execute(so, kv):  # fault injection: sampling the poisoned request raises
+    def execute(so):  # fault injection: sampling the poisoned request raises
         if any(r.external_id == "poison" for r in so.requests):
             raise RuntimeError("injected sampling failure")
-        return real_execute(so, kv)
+        return real_execute(so)
 
-    runner.execute = execute
+    core._execute = execute
 
     async def run():
         good = [asyncio.create_task(_collect(llm, f"good {i}", GREEDY)) for i in range(4)]
@@ -193,16 +193,16 @@ def test_a_failing_request_fails_alone():
 
 def test_a_fatal_error_fails_everything_promptly():
     llm = AsyncLLM(EngineConfig(model=TINY, max_model_len=256))
-    runner = llm.engine.model_runner
-    real_execute = runner.execute
+    core = llm.engine.core
+    real_execute = core._execute
     broken = {"on": False}
 
-    def execute(so, kv):
+    def execute(so):
         if broken["on"]:
             raise RuntimeError("injected device failure")
-        return real_execute(so, kv)
+        return real_execute(so)
 
-    runner.execute = execute
+    core._execute = execute
 
     async def run():
         streams = [llm.generate(f"s{i}", SamplingParams(max_tokens=300, ignore_eos=True)) for i in range(3)]
@@ -282,14 +282,17 @@ def test_engine_in_its_own_process(llm):
     async def run():
         # The process engine sends delta streams' tokens bare and their text is decoded here, per message
         # taken: the same text as the engine's own decoding, whichever way the stream ends.
-        first = (await _collect(in_thread, "the text", SamplingParams(temperature=0, max_tokens=1)))[0].outputs[0].token_ids[0]
+        first = (await _collect(in_thread, "the text",
+                                SamplingParams(temperature=0, max_tokens=1)))[0].outputs[0].token_ids[0]
         for params in [GREEDY, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, skip_special_tokens=False),
                        SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[first]),
-                       SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[first], include_stop_str_in_output=True),
+                       SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[first],
+                                      include_stop_str_in_output=True),
                        SamplingParams(temperature=0, max_tokens=12, n=2, ignore_eos=True),
                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["zz"])]:
             here, there = await _collect(llm, "the text", params), await _collect(in_thread, "the text", params)
-            assert _texts(here) == _texts(there) and here[-1].outputs[-1].finish_reason == there[-1].outputs[-1].finish_reason
+            assert (_texts(here) == _texts(there)
+                    and here[-1].outputs[-1].finish_reason == there[-1].outputs[-1].finish_reason)
         assert here[0].outputs[0].text  # stop strings: decoded by the engine, as before
         slow = llm.generate("the text", GREEDY)  # a consumer that lags: several steps decode in one window
         outs = [await slow.__anext__()]

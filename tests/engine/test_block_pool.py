@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from engine import block_hash
-from engine.block_hash import NONE_HASH, hash_block_chain, hash_block_tokens
-from engine.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
+from engine.core import block_hash
+from engine.core.block_hash import NONE_HASH, hash_block_chain, hash_block_tokens
+from engine.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 
 BS = 4  # block size of the manager tests

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The code a rank runs outside the model's layers (which are built under their device), from its groups'
 # collectives to sampling.
 RANK_CODE = sorted([*(ROOT / "engine" / "distributed").glob("*.py"), *(ROOT / "engine" / "executor").glob("*.py"),
-                    ROOT / "engine" / "model_runner.py", ROOT / "engine" / "sampler.py",
+                    *(ROOT / "engine" / "sample").glob("*.py"), ROOT / "engine" / "core" / "batch_builder.py",
                     *(ROOT / "engine" / "spec_decode").glob("*.py")])
 # torch functions that make a tensor (or a generator) on the default device unless told which.
 FACTORIES = {"tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint", "randperm", "eye",

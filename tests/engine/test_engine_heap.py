@@ -1,4 +1,4 @@
-"""The engine process hands memory it freed back to the OS (engine_core.heap_trimmer): found by
+"""The engine process hands memory it freed back to the OS (engine/core/engine_loop.py heap_trimmer): found by
 benchmarks/soak.py, where its resident memory kept growing while its live memory stayed flat."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine.engine_core import heap_trimmer
+from engine.core.engine_loop import heap_trimmer
 
 MiB = 2**20
 

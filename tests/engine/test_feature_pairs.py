@@ -24,7 +24,8 @@ def _gptq_moe(hf_checkpoint, tmp_path):
         if f.name != "config.json":
             (folder / f.name).symlink_to(f)
     config = json.loads((dense / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
+                                     "sym": True}
     (folder / "config.json").write_text(json.dumps(config))
     return LLM(str(folder), dtype="float32", num_kv_blocks=64, max_model_len=256)
 
@@ -79,7 +80,8 @@ def test_disaggregated_moe_int8_with_ngram_and_a_json_schema(hf_checkpoint):
         more = _run(producer, {"seed": (seed, greedy, None)})["seed"].outputs[0].token_ids
         requests = {"text": (seed + more + seed + more[:4], greedy), "json": (seed * 3, constrained)}
         local = _run(producer, {rid: (prompt, params, None) for rid, (prompt, params) in requests.items()})
-        staged = _run(producer, {rid: (prompt, prefill, {"do_remote_decode": True}) for rid, (prompt, _) in requests.items()})
+        staged = _run(producer, {rid: (prompt, prefill, {"do_remote_decode": True})
+                                 for rid, (prompt, _) in requests.items()})
         remote = _run(consumer, {rid: (prompt, params, staged[rid].kv_transfer_params)
                                  for rid, (prompt, params) in requests.items()})
         for rid in requests:

@@ -4,6 +4,7 @@ architecture, across the engine's scheduling modes (tests/parity.py: equal token
 from __future__ import annotations
 
 import random
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -41,11 +42,12 @@ def test_greedy_parity(arch, variant, hf_checkpoint):
     llm = LLM(path, dtype="float32", **VARIANTS[variant])
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
-        assert_tokens_match(out.outputs[0].token_ids, *hf_greedy(path, prompt, NEW_TOKENS), what=f"prompt of {len(prompt)} tokens")
+        assert_tokens_match(out.outputs[0].token_ids, *hf_greedy(path, prompt, NEW_TOKENS),
+                            what=f"prompt of {len(prompt)} tokens")
         assert out.outputs[0].finish_reason == "length"
     if variant == "preemption":
-        assert llm.llm_engine.scheduler.num_preemptions > 0
-    pool = llm.llm_engine.scheduler.kv_cache_manager.block_pool
+        assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    pool = llm.llm_engine.core.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_usable_blocks
 
 
@@ -57,11 +59,12 @@ def test_shared_prefix_parity(arch, prefix_caching, hf_checkpoint):
     first = llm.generate(SHARED_PROMPTS[:1], GREEDY, use_tqdm=False)  # warms the cache with the prefix
     outs = first + llm.generate(SHARED_PROMPTS[1:], GREEDY, use_tqdm=False)
     for prompt, out in zip(SHARED_PROMPTS, outs):
-        assert_tokens_match(out.outputs[0].token_ids, *hf_greedy(path, prompt, NEW_TOKENS), what=f"prompt of {len(prompt)} tokens")
+        assert_tokens_match(out.outputs[0].token_ids, *hf_greedy(path, prompt, NEW_TOKENS),
+                            what=f"prompt of {len(prompt)} tokens")
     cached = [o.num_cached_tokens for o in outs[1:]]
     if prefix_caching:
         assert all(c >= 192 for c in cached), cached  # the 200-token prefix, in full 16-token blocks
-        assert llm.llm_engine.scheduler.kv_cache_manager.prefix_cache_hits > 0
+        assert llm.llm_engine.core.scheduler.kv_cache_manager.prefix_cache_hits > 0
     else:
         assert cached == [0] * len(cached)
 
@@ -81,6 +84,7 @@ def test_logprob_parity(arch, hf_checkpoint):
             assert ours[token].logprob == pytest.approx(ref[token].item(), abs=1e-4)
             assert ours[token].rank == 1  # greedy picks the argmax
             top_values, top_ids = ref.topk(5)
-            for rank, (tid, value) in enumerate(zip(top_ids.tolist(), top_values.tolist()), start=1):
+            for _rank, (tid, value) in enumerate(zip(top_ids.tolist(), top_values.tolist()), start=1):
                 assert ours[tid].logprob == pytest.approx(value, abs=1e-4)
-        assert completion.cumulative_logprob == pytest.approx(sum(lp[t].item() for t, lp in zip(tokens, hf_logprobs)), abs=1e-3)
+        assert completion.cumulative_logprob == pytest.approx(sum(lp[t].item() for t, lp in zip(tokens, hf_logprobs)),
+                                                              abs=1e-3)

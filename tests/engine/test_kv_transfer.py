@@ -14,7 +14,8 @@ from engine.kv_transfer.shared_memory import staged_path
 from tests.engine.test_hf_parity import PROMPTS
 
 # FINAL_ONLY: the final output's metrics then hold every step the request took part in.
-DECODE = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3, output_kind=RequestOutputKind.FINAL_ONLY)
+DECODE = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
 PREFILL = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 ENGINE = dict(dtype="float32", num_kv_blocks=256, max_num_seqs=8, max_model_len=400, max_num_batched_tokens=128)
 
@@ -36,8 +37,8 @@ def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams,
 
 
 def _idle(engine: LLMEngine) -> bool:
-    pool = engine.scheduler.kv_cache_manager.block_pool
-    return pool.get_num_free_blocks() == pool.num_usable_blocks and not engine.scheduler.in_flight
+    pool = engine.core.scheduler.kv_cache_manager.block_pool
+    return pool.get_num_free_blocks() == pool.num_usable_blocks and not engine.core.scheduler.in_flight
 
 
 @pytest.mark.parametrize("layout", [(1, 1), (2, 1)], ids=["tp1", "tp2"])
@@ -47,12 +48,13 @@ def test_decode_from_transferred_kv_equals_colocated(hf_checkpoint, layout):
     prompts = {f"r{i}": p for i, p in enumerate(PROMPTS[:5])}
     colocated = _run(_engine(path), {rid: (p, DECODE, None) for rid, p in prompts.items()})
     producer = _engine(path, "kv_producer", tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    consumer = _engine(path, "kv_consumer", tensor_parallel_size=tp, pipeline_parallel_size=pp, collect_step_timings=True)
+    consumer = _engine(path, "kv_consumer", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                       collect_step_timings=True)
     try:
         prefilled = _run(producer, {rid: (p, PREFILL, {"do_remote_decode": True}) for rid, p in prompts.items()})
-        assert producer.kv_connector.num_held == len(prompts) and not _idle(producer)  # under lease
+        assert producer.core.kv_connector.num_held == len(prompts) and not _idle(producer)  # under lease
         decoded = _run(consumer, {rid: (p, DECODE, prefilled[rid].kv_transfer_params) for rid, p in prompts.items()})
-        for rid, prompt in prompts.items():
+        for rid, _prompt in prompts.items():
             ours, ref = decoded[rid].outputs[0], colocated[rid].outputs[0]
             assert ours.token_ids == ref.token_ids, rid
             for mine, theirs in zip(ours.logprobs, ref.logprobs):
@@ -64,7 +66,7 @@ def test_decode_from_transferred_kv_equals_colocated(hf_checkpoint, layout):
         for rid in prompts:
             producer.release_kv(rid)
         assert producer.poll_kv_leases() == len(prompts)
-        assert producer.kv_connector.num_held == 0 and _idle(producer) and _idle(consumer)
+        assert producer.core.kv_connector.num_held == 0 and _idle(producer) and _idle(consumer)
     finally:
         producer.shutdown()
         consumer.shutdown()
@@ -112,7 +114,7 @@ def test_unusable_transfers_are_recomputed(hf_checkpoint, tmp_path):
     assert out.outputs[0].token_ids == reference and out.metrics.steps[0].num_tokens > 1
     producer.add_request(prompt, PREFILL, request_id="d", kv_transfer_params={"do_remote_decode": True})
     producer.abort_request("d")
-    assert producer.kv_connector.num_held == 0 and _idle(producer) and _idle(consumer)
+    assert producer.core.kv_connector.num_held == 0 and _idle(producer) and _idle(consumer)
 
 
 @pytest.mark.parametrize("make", [lambda tmp: tmp / "missing", lambda tmp: (tmp / "a_file").touch() or tmp / "a_file"],
@@ -145,7 +147,7 @@ def test_a_failed_step_loads_the_kv_again_for_each_retried_request(hf_checkpoint
     producer, consumer = _engine(path, "kv_producer"), _engine(path, "kv_consumer")
     try:
         staged = _run(producer, {rid: (p, PREFILL, {"do_remote_decode": True}) for rid, p in prompts.items()})
-        worker = consumer.model_runner.executor.driver_worker.kv_connector
+        worker = consumer.core.executor.driver_worker.kv_connector
         load = worker.start_load_kv
 
         def load_after_b_is_gone(meta, kv_caches):

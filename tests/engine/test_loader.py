@@ -39,7 +39,8 @@ def test_dummy_weights_need_no_safetensors(hf_checkpoint, tmp_path):
     assert _tokens(folder, load_format="dummy", seed=2) != a
 
     def embedding(seed):
-        return LLM(str(folder), load_format="dummy", seed=seed).llm_engine.model_runner.model.model.embed_tokens.weight
+        return (LLM(str(folder), load_format="dummy", seed=seed)
+                .llm_engine.core.executor.driver_worker.model.model.embed_tokens.weight)
 
     assert not torch.equal(embedding(1), embedding(2))
 
@@ -68,7 +69,7 @@ def test_bfloat16_checkpoint_runs_in_bfloat16_by_default(hf_checkpoint, tmp_path
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
     llm = LLM(str(folder))
-    assert llm.llm_engine.dtype is torch.bfloat16
-    assert next(llm.llm_engine.model_runner.model.parameters()).dtype is torch.bfloat16
+    assert llm.llm_engine.core.executor.driver_worker.spec.dtype is torch.bfloat16
+    assert next(llm.llm_engine.core.executor.driver_worker.model.parameters()).dtype is torch.bfloat16
     assert len(llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 16
-    assert LLM(str(folder), dtype="float32").llm_engine.dtype is torch.float32
+    assert LLM(str(folder), dtype="float32").llm_engine.core.executor.driver_worker.spec.dtype is torch.float32

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from engine import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
-from engine.block_hash import hash_block_chain
-from engine.lora import load_peft_adapter
+from engine.core.block_hash import hash_block_chain
 from engine.lora.manager import LoRAManager
+from engine.lora.peft import load_peft_adapter
 from tests.engine.quantized_checkpoints import write_gptq
 from tests.engine.test_hf_parity import PROMPTS, _random_prompts
 from tests.engine.test_moe import HF_EXPERTS
@@ -97,7 +97,8 @@ def test_mixed_batch_matches_merged_models(lora_setup):
     ours = llm.generate(PROMPTS[:1], constrained, use_tqdm=False, lora_request=_request(adapters, "everything"))[0]
     merged = LLM(str(adapters["everything"][1]), **{k: v for k, v in ENGINE.items() if "lora" not in k})
     theirs = merged.generate(PROMPTS[:1], constrained, use_tqdm=False)[0]
-    assert json.loads(ours.outputs[0].text)["a"] in (1, 22, 333) and ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+    assert (json.loads(ours.outputs[0].text)["a"] in (1, 22, 333)
+            and ours.outputs[0].token_ids == theirs.outputs[0].token_ids)
 
 
 def test_eviction_and_reload_in_rotation(lora_setup):
@@ -112,9 +113,9 @@ def test_eviction_and_reload_in_rotation(lora_setup):
     _check_all(outs, prompts, names, base, adapters, "max_loras=2")
     stats = llm.llm_engine.get_stats()
     assert stats.num_lora_slot_loads > len(ADAPTERS)  # at least one adapter was evicted and loaded again
-    pool = llm.llm_engine.scheduler.kv_cache_manager.block_pool
+    pool = llm.llm_engine.core.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_usable_blocks
-    assert llm.llm_engine.lora_manager.pins == [0, 0]
+    assert llm.llm_engine.core.lora_manager.pins == [0, 0]
 
 
 def test_prefix_cache_is_keyed_by_adapter_weights(lora_setup, tmp_path):
@@ -181,7 +182,8 @@ def test_bad_adapters_are_refused_by_field_and_the_engine_goes_on(lora_setup, hf
         with pytest.raises(ValueError, match=message):
             llm.generate([LONG_PROMPT], GREEDY, use_tqdm=False, lora_request=LoRARequest(f"bad{i}", 100 + i, path))
     with pytest.raises(ValueError, match="lora_request: this engine was started without enable_lora"):
-        LLM(str(base), dtype="float32", num_kv_blocks=64, max_model_len=256).generate([[1, 2]], lora_request=_request(adapters, "mlp"))
+        LLM(str(base), dtype="float32", num_kv_blocks=64, max_model_len=256).generate(
+            [[1, 2]], lora_request=_request(adapters, "mlp"))
     out = llm.generate([LONG_PROMPT], GREEDY, use_tqdm=False, lora_request=_request(adapters, "mlp"))[0]
     _check(out, LONG_PROMPT, adapters["mlp"][1], "after refusals")
 
@@ -323,7 +325,7 @@ def test_adapters_on_quantized_bases_match_the_dequantized_merge(case, hf_checkp
         model, oracle, quantization = dense, _oracle_online(dense, tmp_path / "oracle", scheme), scheme
     folder = write_peft_adapter(oracle, tmp_path / "adapter", 8, targets, seed=4, merged=tmp_path / "merged")
     llm = LLM(str(model), max_loras=1, quantization=quantization, **ENGINE)
-    slots = llm.llm_engine.model_runner.executor.driver_worker.lora
+    slots = llm.llm_engine.core.executor.driver_worker.lora
     assert {getattr(w.base_layer, "compute", None) for w in slots.layers} == {"int4" if scheme == "gptq" else "int8"}
     assert {w.a_stack.dtype for w in slots.layers} == {torch.float32}
     names = ["q", None, "q"]
@@ -343,7 +345,8 @@ def test_async_llm_takes_lora_requests(lora_setup, tmp_path):
     base, adapters = lora_setup
     bad = tmp_path / "bad"
     bad.mkdir()
-    (bad / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "use_dora": true}')
+    (bad / "adapter_config.json").write_text(
+        '{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "use_dora": true}')
 
     async def collect(llm, prompt, lora):
         tokens, logprobs = [], []
@@ -373,7 +376,8 @@ def test_slot_manager_pins_evicts_lru_and_drains():
     from engine.lora.peft import LoRAAdapter
 
     loads = []
-    manager = LoRAManager(None, max_loras=2, max_cpu_loras=2, max_lora_rank=8, load_slot=lambda s, a: loads.append((s, a.name)))
+    manager = LoRAManager(None, max_loras=2, max_cpu_loras=2, max_lora_rank=8,
+                          load_slot=lambda s, a: loads.append((s, a.name)))
     a, b, c = (LoRAAdapter(n, i, f"/{n}", 8, 1.0, n * 4, {}) for i, n in enumerate("abc", start=1))
     alias = LoRAAdapter("a2", 9, "/a2", 8, 1.0, a.digest, {})  # same weights, another name
     assert manager.acquire(a) == 0 and manager.acquire(b) == 1 and manager.acquire(alias) == 0

@@ -44,9 +44,9 @@ _ATTENTION = dict(vocab_size=32000, hidden_size=64, num_hidden_layers=4, num_att
 
 def test_hub_and_transformers_configs_resolve_alike():
     # Qwen3-30B-A3B's hub config says num_experts; transformers 5 writes num_local_experts.
-    qwen3 = {**_ATTENTION, "architectures": ["Qwen3MoeForCausalLM"], "intermediate_size": 6144, "moe_intermediate_size": 768,
-             "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-             "use_sliding_window": False, "sliding_window": None}
+    qwen3 = {**_ATTENTION, "architectures": ["Qwen3MoeForCausalLM"], "intermediate_size": 6144,
+             "moe_intermediate_size": 768, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+             "mlp_only_layers": [], "use_sliding_window": False, "sliding_window": None}
     hub = ModelConfig.from_dict({**qwen3, "num_experts": 128})
     written = ModelConfig.from_dict({**qwen3, "num_local_experts": 128})
     assert hub == written and hub.qk_norm and hub.sliding_window is None
@@ -60,9 +60,9 @@ def test_hub_and_transformers_configs_resolve_alike():
     assert mixtral.moe.renormalize and mixtral.moe.float32_routing_weights  # always, whatever the config says
 
     # Qwen1.5-MoE-A2.7B style: shared expert, no renormalisation, qkv bias, a window only with use_sliding_window.
-    qwen2 = {**_ATTENTION, "architectures": ["Qwen2MoeForCausalLM"], "intermediate_size": 5632, "moe_intermediate_size": 1408,
-             "shared_expert_intermediate_size": 5632, "num_experts": 60, "num_experts_per_tok": 4,
-             "use_sliding_window": False, "sliding_window": 32768}
+    qwen2 = {**_ATTENTION, "architectures": ["Qwen2MoeForCausalLM"], "intermediate_size": 5632,
+             "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "num_experts": 60,
+             "num_experts_per_tok": 4, "use_sliding_window": False, "sliding_window": 32768}
     cfg = ModelConfig.from_dict(qwen2)
     assert cfg.moe.shared_expert_intermediate_size == 5632 and not cfg.moe.renormalize
     assert cfg.qkv_bias and not cfg.o_proj_bias and cfg.sliding_window is None
@@ -156,14 +156,16 @@ def test_moe_greedy_parity_in_every_mode(arch, moe_engine):
         _use_variant(llm, {**POOL, **VARIANTS[variant]})
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         for prompt, out in zip(PROMPTS, outs):
-            assert_tokens_match(out.outputs[0].token_ids, *_reference(path, prompt), what=f"{arch} {variant}, prompt of {len(prompt)}")
+            assert_tokens_match(out.outputs[0].token_ids, *_reference(path, prompt),
+                                what=f"{arch} {variant}, prompt of {len(prompt)}")
         if variant == "preemption":
-            assert llm.llm_engine.scheduler.num_preemptions > 0
-        pool = llm.llm_engine.scheduler.kv_cache_manager.block_pool
+            assert llm.llm_engine.core.scheduler.num_preemptions > 0
+        pool = llm.llm_engine.core.scheduler.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == pool.num_usable_blocks
     for prefix_caching in (True, False):
         _use_variant(llm, {**POOL, "enable_prefix_caching": prefix_caching, "max_num_batched_tokens": 512})
-        outs = llm.generate(SHARED_PROMPTS[:1], GREEDY, use_tqdm=False) + llm.generate(SHARED_PROMPTS[1:], GREEDY, use_tqdm=False)
+        outs = (llm.generate(SHARED_PROMPTS[:1], GREEDY, use_tqdm=False)
+                + llm.generate(SHARED_PROMPTS[1:], GREEDY, use_tqdm=False))
         for prompt, out in zip(SHARED_PROMPTS, outs):
             assert_tokens_match(out.outputs[0].token_ids, *_reference(path, prompt), what=f"{arch} shared prefix")
         assert all((o.num_cached_tokens >= 192) == prefix_caching for o in outs[1:])
@@ -196,7 +198,8 @@ def test_moe_speculative_decoding_and_json_schema(moe_engine, hf_checkpoint):
     path, llm = moe_engine("qwen3_moe")
     _use_variant(llm, POOL)
     # Bounded: a random-weight model may otherwise write digits until max_tokens.
-    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a"]}
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["a"]}
     constrained = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
     out = llm.generate(PROMPTS[:1], constrained, use_tqdm=False)[0].outputs[0]
     assert isinstance(json.loads(out.text)["a"], int)
@@ -219,12 +222,12 @@ def test_expert_parallel_equals_sliced_experts(hf_checkpoint):
     sliced = LLM(path, **POOL, tensor_parallel_size=2)
     try:
         sliced_outs = sliced.generate(PROMPTS, GREEDY, use_tqdm=False)
-        sliced_bytes = sliced.llm_engine.model_runner.executor.weight_bytes_per_rank()
+        sliced_bytes = sliced.llm_engine.core.executor.weight_bytes_per_rank()
     finally:
         sliced.shutdown()
     ep = LLM(path, **POOL, tensor_parallel_size=2, enable_expert_parallel=True)
     try:
-        experts = ep.llm_engine.model_runner.model.model.layers[0].mlp.experts
+        experts = ep.llm_engine.core.executor.driver_worker.model.model.layers[0].mlp.experts
         assert (experts.num_local_experts, experts.expert_start, experts.intermediate_size_per_partition) == (4, 0, 48)
         assert experts.w13_weight.numel() == 4 * 2 * 48 * experts.hidden_size
         for variant in ("default", "chunked"):
@@ -236,7 +239,7 @@ def test_expert_parallel_equals_sliced_experts(hf_checkpoint):
                 if tie_sliced is None and tie_ep is None:
                     assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert sum(ep.llm_engine.get_stats().expert_tokens) > 0
-        ep_bytes = ep.llm_engine.model_runner.executor.weight_bytes_per_rank()
+        ep_bytes = ep.llm_engine.core.executor.weight_bytes_per_rank()
     finally:
         ep.shutdown()
     # Same bytes per rank either way (half of every expert, or every half of the experts).

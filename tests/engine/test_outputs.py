@@ -12,8 +12,9 @@ def _output(text: str, token_ids: list[int], finished: bool = False) -> RequestO
     logprobs = [{t: Logprob(-0.5, 1, "x"), 3: Logprob(-2.0, 2)} for t in token_ids]
     step = StepTiming(1.0, 1.5, len(token_ids), 4, 64)
     return RequestOutput(
-        "r1", "a prompt", [1, 2, 3], [CompletionOutput(0, text, token_ids, -0.5, logprobs, "stop" if finished else None)],
-        finished, num_cached_tokens=16, metrics=RequestMetrics(0.5, 0.6, 0.9, 1.5, None, len(token_ids), (0.7,), (step,)),
+        "r1", "a prompt", [1, 2, 3],
+        [CompletionOutput(0, text, token_ids, -0.5, logprobs, "stop" if finished else None)], finished,
+        num_cached_tokens=16, metrics=RequestMetrics(0.5, 0.6, 0.9, 1.5, None, len(token_ids), (0.7,), (step,)),
         kv_transfer_params={"block_ids": [4, 5]} if finished else None,
     )
 

@@ -29,11 +29,11 @@ def _engine(path: str, tp: int, pp: int, **kwargs) -> LLM:
 
 def _use_config(llm: LLM, config) -> None:
     """A fresh scheduler (and block pool) configured like an engine built with `config`."""
-    engine = llm.llm_engine
-    engine.step()  # idle: hands the finished requests' ids to the model runner, which forgets them
-    engine.config = config
-    engine.max_num_batched_tokens = engine._resolve_max_num_batched_tokens()
-    engine.scheduler = engine._build_scheduler(engine.config.num_kv_blocks)
+    llm.llm_engine.step()  # idle: hands the finished requests' ids to the batch builder, which forgets them
+    core = llm.llm_engine.core
+    core.config = config
+    core.max_num_batched_tokens = core._resolve_max_num_batched_tokens()
+    core.scheduler = core._build_scheduler(config.num_kv_blocks)
 
 
 def _use_variant(llm: LLM, overrides: dict) -> None:
@@ -51,8 +51,8 @@ def _check_modes(path: str, llm: LLM, variants: list[str]) -> None:
                 assert_tokens_match(out.outputs[0].token_ids, *hf_greedy(path, prompt, NEW_TOKENS),
                                     what=f"{variant}, prompt of {len(prompt)} tokens")
             if variant == "preemption":
-                assert llm.llm_engine.scheduler.num_preemptions > 0
-            pool = llm.llm_engine.scheduler.kv_cache_manager.block_pool
+                assert llm.llm_engine.core.scheduler.num_preemptions > 0
+            pool = llm.llm_engine.core.scheduler.kv_cache_manager.block_pool
             assert pool.get_num_free_blocks() == pool.num_usable_blocks
     finally:
         _use_config(llm, built_with)
@@ -100,7 +100,7 @@ def test_tp4_replicates_kv_heads(hf_checkpoint):
     path = str(hf_checkpoint("llama"))  # 4 attention heads, 2 KV heads: each KV head on 2 ranks
     llm = _engine(path, 4, 1)
     try:
-        attn = llm.llm_engine.model_runner.model.attention_layers[0]
+        attn = llm.llm_engine.core.executor.driver_worker.model.attention_layers[0]
         assert (attn.num_heads, attn.num_kv_heads, attn.qkv_proj.num_kv_head_replicas) == (1, 1, 2)
         _check_modes(path, llm, ["default"])
     finally:
@@ -109,10 +109,10 @@ def test_tp4_replicates_kv_heads(hf_checkpoint):
 
 def test_tp2_halves_weight_bytes_per_rank(hf_checkpoint):
     path = str(hf_checkpoint("qwen2"))
-    one = _engine(path, 1, 1).llm_engine.model_runner.executor.weight_bytes_per_rank()[0]
+    one = _engine(path, 1, 1).llm_engine.core.executor.weight_bytes_per_rank()[0]
     llm = _engine(path, 2, 1)
     try:
-        per_rank = llm.llm_engine.model_runner.executor.weight_bytes_per_rank()
+        per_rank = llm.llm_engine.core.executor.weight_bytes_per_rank()
     finally:
         llm.shutdown()
     assert len(per_rank) == 2 and max(per_rank.values()) <= 0.55 * one, (per_rank, one)
@@ -136,7 +136,8 @@ def test_parallel_sampling_structured_and_speculative(four_ranks):
         out = llm.generate(prompts[:1], constrained, use_tqdm=False)[0].outputs[0]
         assert json.loads(out.text)["a"] in (1, 22, 333) and out.finish_reason == "stop"
         assert out.token_ids == one.generate(prompts[:1], constrained, use_tqdm=False)[0].outputs[0].token_ids
-        for a, b in zip(one_spec.generate(prompts, GREEDY, use_tqdm=False), spec.generate(prompts, GREEDY, use_tqdm=False)):
+        for a, b in zip(one_spec.generate(prompts, GREEDY, use_tqdm=False),
+                        spec.generate(prompts, GREEDY, use_tqdm=False)):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert spec.llm_engine.get_stats().spec_decode_num_drafts > 0
     finally:

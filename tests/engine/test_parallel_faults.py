@@ -21,7 +21,7 @@ PROMPT = [[1, 415, 2936, 9060, 285, 1142]]
 
 
 def _worker_pids(llm: LLM) -> list[int]:
-    return [p.pid for p in llm.llm_engine.model_runner.executor.launcher.processes]
+    return [p.pid for p in llm.llm_engine.core.executor.launcher.processes]
 
 
 def test_dead_worker_fails_the_next_step(tiny_model_path):
@@ -40,7 +40,8 @@ def test_dead_worker_fails_the_next_step(tiny_model_path):
 
 
 def test_hung_worker_fails_after_the_step_timeout(tiny_model_path):
-    llm = LLM(str(tiny_model_path), pipeline_parallel_size=2, num_kv_blocks=64, max_num_seqs=4, max_model_len=512, step_timeout_s=3)
+    llm = LLM(str(tiny_model_path), pipeline_parallel_size=2, num_kv_blocks=64, max_num_seqs=4, max_model_len=512,
+              step_timeout_s=3)
     pid = _worker_pids(llm)[0]
     try:
         llm.generate(PROMPT, PARAMS, use_tqdm=False)

@@ -49,7 +49,7 @@ def _check_parity(llm: LLM, oracle: str, what: str) -> None:
 
 
 def _computes(llm: LLM) -> set[str]:
-    model = llm.llm_engine.model_runner.model
+    model = llm.llm_engine.core.executor.driver_worker.model
     return {getattr(m, "compute", None) for m in model.modules() if hasattr(m, "quant_method")} - {None}
 
 
@@ -71,7 +71,8 @@ def quantized(hf_checkpoint, tmp_path_factory):
 CASES = {
     "gptq4_sym_v1": ("llama", write_gptq, dict(bits=4, group_size=32, sym=True, desc_act=False, v1=True), {"int4"}),
     # act-order, asymmetric, v2; Qwen2's qkv bias; down_proj's 160 inputs in groups of 32 -> int4 after sorting
-    "gptq4_actorder_v2": ("qwen2", write_gptq, dict(bits=4, group_size=32, sym=False, desc_act=True, v1=False), {"int4"}),
+    "gptq4_actorder_v2": ("qwen2", write_gptq, dict(bits=4, group_size=32, sym=False, desc_act=True, v1=False),
+                          {"int4"}),
     "gptq8_channel": ("mistral", write_gptq, dict(bits=8, group_size=-1, sym=True, desc_act=False, v1=True), {"int8"}),
     "gptq8_grouped": ("qwen3", write_gptq, dict(bits=8, group_size=32, sym=True, desc_act=False, v1=True), {"dense"}),
     "awq": ("llama", write_awq, dict(group_size=32), {"int4"}),
@@ -113,8 +114,9 @@ def _int4_by_definition(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
 def _oracle_online(dense, out, scheme: str):
     """Our online scheme applied by its definition (int8: quantize_int8, whose scale the tests check; int4:
     _int4_by_definition) on whole tensors -> dense oracle."""
-    from tests.engine.quantized_checkpoints import _is_linear, _write
     from safetensors.torch import load_file
+
+    from tests.engine.quantized_checkpoints import _is_linear, _write
 
     oracle = {}
     for name, w in load_file(str(dense / "model.safetensors")).items():
@@ -133,7 +135,7 @@ def test_online_quantization_matches_its_dequantized_weights(arch, scheme, hf_ch
     oracle = str(_oracle_online(dense, tmp_path / "oracle", scheme))
     llm = LLM(str(dense), **ENGINE, quantization=scheme)
     assert _computes(llm) == {scheme}
-    model = llm.llm_engine.model_runner.model
+    model = llm.llm_engine.core.executor.driver_worker.model
     assert model.lm_head.quant_method.__class__.__name__ == "DenseLinearMethod"
     _check_parity(llm, oracle, f"{arch} {scheme}")
 
@@ -147,7 +149,7 @@ def test_online_quantization_of_experts_matches_its_dequantized_weights(arch, sc
     dense = hf_checkpoint(arch)
     oracle = str(_oracle_online(dense, tmp_path / "oracle", scheme))
     llm = LLM(str(dense), **ENGINE, quantization=scheme)
-    model = llm.llm_engine.model_runner.model
+    model = llm.llm_engine.core.executor.driver_worker.model
     assert {m.expert_compute for m in model.modules() if isinstance(m, FusedMoE)} == {experts}
     _check_parity(llm, oracle, f"{arch} {scheme}")
 
@@ -169,7 +171,7 @@ def test_online_quantization_error_within_the_scheme_bound(hf_checkpoint):
     weights = load_file(str(dense / "model.safetensors"))
     for scheme in ("int8", "int4"):
         llm = LLM(str(dense), **ENGINE, quantization=scheme)
-        layer = llm.llm_engine.model_runner.model.model.layers[0]
+        layer = llm.llm_engine.core.executor.driver_worker.model.model.layers[0]
         for fused, names in (("self_attn.qkv_proj", ["q_proj", "k_proj", "v_proj"]), ("mlp.down_proj", ["down_proj"])):
             module = layer.get_submodule(fused)
             parent = fused.rsplit(".", 1)[0]
@@ -193,7 +195,8 @@ def test_packing_hand_worked_vectors():
     word = lambda t: t.flatten()[0].item() & 0xFFFFFFFF  # noqa: E731 (the reference packers take 32 rows/columns)
     column = torch.cat([torch.arange(1, 9), torch.zeros(24, dtype=torch.long)]).view(32, 1)  # q[k, n=0] = 1..8, 0...
     assert word(gptq_pack_qweight(column, 4)) == 0x87654321  # value k at bits 4k
-    assert unpack_int32(torch.tensor([[0x87654321 - 2**32]], dtype=torch.int32), 4, 0).flatten().tolist() == list(range(1, 9))
+    assert (unpack_int32(torch.tensor([[0x87654321 - 2**32]], dtype=torch.int32), 4, 0).flatten().tolist()
+            == list(range(1, 9)))
     zeros = torch.full((1, 32), 8)  # symmetric 4-bit: z = 8, stored by v1 as 7
     assert word(gptq_pack_qzeros(zeros - 1, 4)) == 0x77777777
     column8 = torch.cat([torch.tensor([255, 1, 128, 0]), torch.zeros(28, dtype=torch.long)]).view(32, 1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import apply_top_k_top_p
+from engine.sample.sampler import apply_top_k_top_p
 from tests.conftest import TINY
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "In a galaxy far away", "Hello"]
@@ -29,7 +29,8 @@ def test_seeded_sampling_is_reproducible_across_runs(llm):
     first = _tokens(llm.generate(PROMPTS, params, use_tqdm=False))
     second = _tokens(llm.generate(PROMPTS, params, use_tqdm=False))
     assert first == second
-    assert LLM(TINY, max_model_len=256, seed=99).generate(PROMPTS, params, use_tqdm=False)[0].outputs[0].token_ids == first[0]
+    assert (LLM(TINY, max_model_len=256, seed=99).generate(PROMPTS, params, use_tqdm=False)[0].outputs[0].token_ids
+            == first[0])
 
 
 def test_seeded_sample_does_not_depend_on_the_batch(llm):
@@ -51,8 +52,10 @@ def test_different_seeds_differ_and_unseeded_runs_vary(llm):
 
 
 def test_greedy_matches_temperature_zero_and_top_k_one(llm):
-    greedy = _tokens(llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False))
-    top1 = _tokens(llm.generate(PROMPTS, SamplingParams(top_k=1, seed=3, max_tokens=12, ignore_eos=True), use_tqdm=False))
+    greedy = _tokens(llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                  use_tqdm=False))
+    top1 = _tokens(llm.generate(PROMPTS, SamplingParams(top_k=1, seed=3, max_tokens=12, ignore_eos=True),
+                                use_tqdm=False))
     assert greedy == top1
 
 

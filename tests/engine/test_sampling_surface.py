@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import Penalties, apply_penalties
+from engine.sample.sampler import Penalties, apply_penalties
 from tests.conftest import TINY
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -24,9 +24,9 @@ def test_n_samples_differ_and_share_prompt_blocks(llm):
     rid = engine.add_request(prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=20, ignore_eos=True))
     outputs = []
     while engine.has_unfinished_requests():
-        running = [r for r in engine.scheduler.running if r.external_id == rid]
+        running = [r for r in engine.core.scheduler.running if r.external_id == rid]
         if len(running) == 4 and all(r.num_output_tokens >= 1 for r in running):
-            tables = [engine.scheduler.kv_cache_manager.get_block_ids(r) for r in running]
+            tables = [engine.core.scheduler.kv_cache_manager.get_block_ids(r) for r in running]
             shared = (len(prompt) - 1) // 16  # the first sample's full prompt blocks, hit by the others
             assert all(t[:shared] == tables[0][:shared] for t in tables)
             in_use = {b for t in tables for b in t}
@@ -36,12 +36,14 @@ def test_n_samples_differ_and_share_prompt_blocks(llm):
     samples = [c.token_ids for c in final.outputs]
     assert [c.index for c in final.outputs] == [0, 1, 2, 3]
     assert len({tuple(s) for s in samples}) == 4 and all(len(s) == 20 for s in samples)
-    again = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    again = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=20, ignore_eos=True),
+                         use_tqdm=False)
     assert [c.token_ids for c in again[0].outputs] == samples  # seeded n > 1 is reproducible
 
 
 def test_logit_bias_forces_a_token(llm):
-    out = llm.generate([PROMPT], SamplingParams(temperature=1.0, max_tokens=12, logit_bias={777: 100.0}, ignore_eos=True), use_tqdm=False)
+    out = llm.generate([PROMPT], SamplingParams(temperature=1.0, max_tokens=12, logit_bias={777: 100.0},
+                                                ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == [777] * 12
 
 
@@ -71,7 +73,8 @@ def test_frequency_penalty_reduces_repetition(llm):
 
 def test_min_p_one_is_greedy(llm):
     greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-    min_p = llm.generate([PROMPT], SamplingParams(temperature=1.0, min_p=1.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    min_p = llm.generate([PROMPT], SamplingParams(temperature=1.0, min_p=1.0, max_tokens=10, ignore_eos=True),
+                         use_tqdm=False)
     assert greedy[0].outputs[0].token_ids == min_p[0].outputs[0].token_ids
 
 
@@ -98,7 +101,8 @@ def test_stop_string_through_the_engine(llm):
     cut = len(head) - 2
     out = llm.generate([PROMPT], base.model_copy(update={"stop": [stop]}), use_tqdm=False)[0].outputs[0]
     assert out.text == full.text[:cut] and out.finish_reason == "stop" and out.stop_reason == stop
-    kept = llm.generate([PROMPT], base.model_copy(update={"stop": [stop], "include_stop_str_in_output": True}), use_tqdm=False)
+    kept = llm.generate([PROMPT], base.model_copy(update={"stop": [stop], "include_stop_str_in_output": True}),
+                        use_tqdm=False)
     assert kept[0].outputs[0].text == full.text[: cut + len(stop)]
 
 
@@ -148,16 +152,18 @@ def test_priority_preemption_victim_is_the_lowest_priority():
     engine.add_request(list(range(1, 30)), params, request_id="high", priority=0)
     preempted = []
     while engine.has_unfinished_requests():
-        so_before = {r.request_id: r.num_preemptions for r in engine.scheduler.requests.values()}
+        so_before = {r.request_id: r.num_preemptions for r in engine.core.scheduler.requests.values()}
         engine.step()
-        preempted += [rid for rid, n in so_before.items() if rid in engine.scheduler.requests and engine.scheduler.requests[rid].num_preemptions > n]
+        preempted += [rid for rid, n in so_before.items() if rid in engine.core.scheduler.requests
+                      and engine.core.scheduler.requests[rid].num_preemptions > n]
     assert preempted and set(preempted) == {"low"}
 
 
 def test_chat_goes_through_the_template(llm):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     out = llm.chat(messages, SamplingParams(max_tokens=4), use_tqdm=False)[0]
-    expected = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False)
     assert out.prompt_token_ids == list(expected)
     assert out.prompt_token_ids[0] == 1 and out.prompt_token_ids.count(1) == 1  # one BOS
     with pytest.raises(ValueError, match="messages"):

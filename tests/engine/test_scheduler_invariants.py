@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
+from engine.core.block_pool import BlockPool
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
 
 
 @dataclass(frozen=True)

@@ -72,11 +72,11 @@ def test_a_killed_engine_leaves_nothing_after_the_next_start(tiny_model_path):
         try:
             async for out in llm.generate([1, 415, 2936, 9060] * 10, SamplingParams(max_tokens=1), request_id="a",
                                           kv_transfer_params={"do_remote_decode": True}):
-                pass
+                last = out
             pid = llm._process.pid
             os.kill(pid, signal.SIGKILL)
             llm._process.join(5)
-            return out.kv_transfer_params["name"], pid
+            return last.kv_transfer_params["name"], pid
         finally:
             llm.shutdown()
 

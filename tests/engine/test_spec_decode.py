@@ -15,13 +15,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
-from engine.block_pool import BlockPool
 from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.llm_engine import LLMEngine
+from engine.core.block_pool import BlockPool
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
+from engine.frontend.llm_engine import LLMEngine
 from engine.models.builtin import materialize_builtin
-from engine.request import Request
-from engine.scheduler import Scheduler
 from engine.spec_decode.eligibility import can_draft
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.spec_decode.rejection_sampler import accept_greedy, rejection_sample
@@ -64,13 +64,13 @@ def _tokens(outputs) -> list[list[int]]:
 
 
 def _pool_is_clean(engine: LLMEngine) -> bool:
-    kv = engine.scheduler.kv_cache_manager
+    kv = engine.core.scheduler.kv_cache_manager
     pool = kv.block_pool
     return (
         pool.get_num_free_blocks() == pool.num_usable_blocks
         and all(b.ref_cnt == 0 for b in pool.blocks[1:])
         and not kv.req_to_blocks
-        and not engine.scheduler.requests
+        and not engine.core.scheduler.requests
     )
 
 
@@ -80,7 +80,8 @@ def _workload(baseline: LLM, penalty: float = 1.3) -> tuple[list[list[int]], lis
     rng = random.Random(3)
     shared = [1] + [rng.randrange(3, 32000) for _ in range(37)]
     seeds = [[1] + [rng.randrange(3, 32000) for _ in range(20)] for _ in range(3)]
-    continuations = _tokens(baseline.generate(seeds, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False))
+    continuations = _tokens(baseline.generate(seeds, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                                              use_tqdm=False))
     prompts = [
         shared + [rng.randrange(3, 32000) for _ in range(5)],
         shared + [rng.randrange(3, 32000) for _ in range(11)],
@@ -128,13 +129,15 @@ def test_greedy_output_is_token_identical(baseline, small_draft, method):
 def test_preemption_with_few_blocks_keeps_output_identical(baseline, small_draft, method):
     rng = random.Random(11)
     seeds = [[1] + [rng.randrange(3, 32000) for _ in range(rng.randrange(8, 16))] for _ in range(6)]
-    continuations = _tokens(baseline.generate(seeds, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False))
+    continuations = _tokens(baseline.generate(seeds, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                                              use_tqdm=False))
     prompts = [s + c + s + c[:6] for s, c in zip(seeds, continuations)]  # n-gram lookup finds matches
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = _tokens(baseline.generate(prompts, params, use_tqdm=False))
-    llm = LLM(TINY, **(ENGINE | dict(max_model_len=128, num_kv_blocks=40)), speculative_config=_spec(method, small_draft))
+    llm = LLM(TINY, **(ENGINE | dict(max_model_len=128, num_kv_blocks=40)),
+              speculative_config=_spec(method, small_draft))
     assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == expected
-    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.core.scheduler.num_preemptions > 0
     assert llm.llm_engine.get_stats().spec_decode_num_draft_tokens > 0
     assert _pool_is_clean(llm.llm_engine)
 
@@ -177,7 +180,8 @@ def test_sampled_and_seeded_requests(baseline, small_draft):
     assert stats.spec_decode_num_draft_tokens > 0 and stats.spec_decode_acceptance_rate > 0.99
     before = stats.spec_decode_num_draft_tokens
     seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=20, ignore_eos=True)
-    assert _tokens(llm.generate(prompts, seeded, use_tqdm=False)) == _tokens(baseline.generate(prompts, seeded, use_tqdm=False))
+    assert (_tokens(llm.generate(prompts, seeded, use_tqdm=False))
+            == _tokens(baseline.generate(prompts, seeded, use_tqdm=False)))
     assert llm.llm_engine.get_stats().spec_decode_num_draft_tokens == before
     assert _pool_is_clean(llm.llm_engine)
 

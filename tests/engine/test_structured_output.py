@@ -31,11 +31,13 @@ PET_SCHEMA = {
         "age": {"type": "integer", "minimum": 0, "maximum": 99},
         "owner": {
             "type": "object",
-            "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 100000}, "vip": {"type": "boolean"}, "email": {"type": "string", "maxLength": 10}},
+            "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 100000}, "vip": {"type": "boolean"},
+                           "email": {"type": "string", "maxLength": 10}},
             "required": ["id", "vip"],
         },
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
-        "scores": {"type": "array", "items": {"type": "integer", "minimum": -50, "maximum": 50}, "minItems": 1, "maxItems": 2},
+        "scores": {"type": "array", "items": {"type": "integer", "minimum": -50, "maximum": 50}, "minItems": 1,
+                   "maxItems": 2},
     },
     "required": ["name", "kind", "age", "owner", "tags", "scores"],
 }
@@ -59,7 +61,7 @@ def test_json_schema_every_output_validates(llm):
     for o in outputs:
         jsonschema.validate(json.loads(o.outputs[0].text), PET_SCHEMA)
     assert len({o.outputs[0].text for o in outputs}) > 40  # sampled, not one forced string
-    assert llm.llm_engine.structured_output.num_active == 0  # every matcher released
+    assert llm.llm_engine.core.structured_output.num_active == 0  # every matcher released
 
 
 def test_schema_given_as_text_and_greedy(llm):
@@ -82,7 +84,8 @@ def test_regex_choice_grammar_and_json_object(llm):
         for o in outputs:
             assert o.outputs[0].finish_reason == "stop" and check(o.outputs[0].text), (so.kind, o.outputs[0].text)
     # Any object: arbitrary keys and nesting, so a random model may write a long one; assert on those that end.
-    outputs = llm.generate(PROMPTS[:6], SamplingParams(temperature=1.0, max_tokens=300, structured_outputs=_so(json_object=True)),
+    outputs = llm.generate(PROMPTS[:6], SamplingParams(temperature=1.0, max_tokens=300,
+                                                       structured_outputs=_so(json_object=True)),
                            use_tqdm=False)
     ended = [o.outputs[0].text for o in outputs if o.outputs[0].finish_reason == "stop"]
     assert all(isinstance(json.loads(t), dict) for t in ended)
@@ -95,8 +98,8 @@ def test_unconstrained_requests_in_the_batch_are_unaffected(llm):
     plain_prompts = ["The quick brown fox", "Once upon a time"]
     alone = [o.outputs[0].token_ids for o in llm.generate(plain_prompts, [greedy, seeded], use_tqdm=False)]
     constrained = SamplingParams(temperature=1.0, max_tokens=600, structured_outputs=_so(json=PET_SCHEMA))
-    mixed = llm.generate(PROMPTS[:4] + plain_prompts + PROMPTS[4:8], [constrained] * 4 + [greedy, seeded] + [constrained] * 4,
-                         use_tqdm=False)
+    mixed = llm.generate(PROMPTS[:4] + plain_prompts + PROMPTS[4:8],
+                         [constrained] * 4 + [greedy, seeded] + [constrained] * 4, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in mixed[4:6]] == alone
     for o in mixed[:4] + mixed[6:]:
         jsonschema.validate(json.loads(o.outputs[0].text), PET_SCHEMA)
@@ -119,7 +122,7 @@ def test_matchers_survive_preemption():
     params = SamplingParams(temperature=1.0, seed=5, max_tokens=200, structured_outputs=_so(json=PET_SCHEMA))
     long_prompts = [f"{p} " + "and more words " * 6 for p in PROMPTS[:12]]
     outputs = small.generate(long_prompts, params, use_tqdm=False)
-    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert small.llm_engine.core.scheduler.num_preemptions > 0
     for o in outputs:
         assert o.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(o.outputs[0].text), PET_SCHEMA)
@@ -127,7 +130,7 @@ def test_matchers_survive_preemption():
 
 def test_a_slow_compile_does_not_stall_other_requests(llm):
     engine = llm.llm_engine
-    compiler = engine.structured_output.compiler()
+    compiler = engine.core.structured_output.compiler()
     gate = threading.Event()
     original = compiler.compile
 
@@ -161,11 +164,12 @@ def test_abort_releases_matchers_and_compiles(llm):
     running = engine.add_request("abort me", SamplingParams(max_tokens=600, structured_outputs=so))
     engine.step()
     engine.step()
-    waiting = engine.add_request("me too", SamplingParams(n=2, max_tokens=600, structured_outputs=_so(regex="[a-z]{1,200}")))
+    waiting = engine.add_request("me too", SamplingParams(n=2, max_tokens=600,
+                                                          structured_outputs=_so(regex="[a-z]{1,200}")))
     outs = engine.abort_request([running, waiting])
     assert {o.request_id for o in outs} == {running, waiting}
     assert all(c.finish_reason == "abort" for o in outs for c in o.outputs)
-    assert not engine.has_unfinished_requests() and engine.structured_output.num_active == 0
+    assert not engine.has_unfinished_requests() and engine.core.structured_output.num_active == 0
 
 
 def test_a_grammar_that_fails_to_compile_fails_only_its_request(llm):
@@ -206,7 +210,8 @@ XY_SCHEMA = {"type": "object", "properties": {"x": {"type": "integer", "minimum"
 
 def test_json_whitespace_is_compact_unless_disable_any_whitespace_is_false(llm):
     def texts(**kwargs):
-        params = SamplingParams(temperature=1.0, seed=5, max_tokens=200, structured_outputs=_so(json=XY_SCHEMA, **kwargs))
+        params = SamplingParams(temperature=1.0, seed=5, max_tokens=200,
+                                structured_outputs=_so(json=XY_SCHEMA, **kwargs))
         return [o.outputs[0].text for o in llm.generate(PROMPTS[:8], params, use_tqdm=False)]
 
     for compact in (texts(), texts(disable_any_whitespace=True)):

@@ -9,17 +9,20 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from engine.frontend.tokenizer import load_tokenizer, max_chars_per_token
 from engine.models.builtin import materialize_builtin
 from engine.text_validation import check_text, invalid_text
-from engine.tokenizer import load_tokenizer, max_chars_per_token
 from tests.conftest import TINY
 
 
 @pytest.mark.parametrize("value, message", [
     ("hi \udcff", "prompt: holds an unpaired UTF-16 surrogate U+DCFF at character 3;"),
-    (["ok", {"content": [{"text": "\ud83d"}]}], "prompt.1.content.0.text: holds an unpaired UTF-16 surrogate U+D83D at character 0;"),
-    ({"properties": {"a\udcffb": {}}}, "prompt.properties: holds an unpaired UTF-16 surrogate U+DCFF at character 1 of the key 'a\\udcffb';"),
-    ({"a b": {"c": "\udfff"}}, "prompt: holds an unpaired UTF-16 surrogate U+DFFF at character 0;"),  # no field is named "a b"
+    (["ok", {"content": [{"text": "\ud83d"}]}],
+     "prompt.1.content.0.text: holds an unpaired UTF-16 surrogate U+D83D at character 0;"),
+    ({"properties": {"a\udcffb": {}}},
+     "prompt.properties: holds an unpaired UTF-16 surrogate U+DCFF at character 1 of the key 'a\\udcffb';"),
+    # no field is named "a b"
+    ({"a b": {"c": "\udfff"}}, "prompt: holds an unpaired UTF-16 surrogate U+DFFF at character 0;"),
 ])
 def test_unpaired_surrogates_are_found_and_named_by_path(value, message):
     problem = invalid_text("prompt", value)

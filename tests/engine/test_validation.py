@@ -58,7 +58,8 @@ def test_invalid_engine_config_names_the_field(kwargs, param):
     [
         ({"max_model_len": 100_000}, "max_model_len"),
         ({"num_kv_blocks": 3, "max_model_len": 512}, "num_kv_blocks"),
-        ({"enable_chunked_prefill": False, "max_num_batched_tokens": 16, "max_model_len": 64}, "max_num_batched_tokens"),
+        ({"enable_chunked_prefill": False, "max_num_batched_tokens": 16, "max_model_len": 64},
+         "max_num_batched_tokens"),
         ({"attention_backend": "flashinfer", "device": "cpu"}, "attention_backend"),
     ],
 )
@@ -102,7 +103,7 @@ def test_a_bad_prompt_in_a_batch_submits_nothing(llm):
     with pytest.raises(ValueError, match="prompt"):
         llm.generate(["fine", [1, 99999], "also fine"], good, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
-    pool = llm.llm_engine.scheduler.kv_cache_manager.block_pool
+    pool = llm.llm_engine.core.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_usable_blocks
 
 
@@ -141,9 +142,11 @@ def test_text_that_is_not_unicode_is_refused_naming_the_parameter(llm, call, par
 def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(llm):
     limit = llm.llm_engine.input_processor.max_prompt_chars
     assert limit == 64 * 16  # the built-in tokenizer's longest token is 16 characters
-    with pytest.raises(ValueError, match=r"^prompt: the prompt has 1025 characters, which cannot fit in max_model_len=64"):
+    with pytest.raises(ValueError,
+                       match=r"^prompt: the prompt has 1025 characters, which cannot fit in max_model_len=64"):
         llm.generate("a" * (limit + 1), use_tqdm=False)
-    with pytest.raises(ValueError, match=r"^messages: the chat prompt \(messages, system prompt and tools\) has \d+ characters, which cannot fit"):
+    with pytest.raises(ValueError, match=r"^messages: the chat prompt \(messages, system prompt and tools\) has \d+ "
+                                         r"characters, which cannot fit"):
         llm.chat([{"role": "user", "content": "a" * (limit + 1)}], use_tqdm=False)
     with pytest.raises(ValueError, match=r"^prompt: \d+ tokens leave no room"):  # within the bound: tokenized
         llm.generate("a b " * 100, use_tqdm=False)

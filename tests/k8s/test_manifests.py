@@ -302,7 +302,8 @@ def test_rayservice_passes_kuberay_operator_validation(rayservice):
     assert len(name) <= 47, "RayService names are at most 47 characters (53 minus the cluster suffix)"
     assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name), "a DNS-1035 label"
     spec = rayservice["spec"]
-    assert spec.get("upgradeStrategy", {}).get("type", "NewCluster") in {"NewCluster", "NewClusterWithIncrementalUpgrade", "None"}
+    assert spec.get("upgradeStrategy", {}).get("type", "NewCluster") in {
+        "NewCluster", "NewClusterWithIncrementalUpgrade", "None"}
     rc = cluster(rayservice)
     assert "name" not in rc["headGroupSpec"].get("headService", {}).get("metadata", {})
     groups = [("head", rc["headGroupSpec"])] + [(g["groupName"], g) for g in rc["workerGroupSpecs"]]
@@ -370,7 +371,8 @@ def test_replicas_fit_the_worker_pods(rayservice, app):
     assert engine_actor["num_cpus"] + ingress_actor["num_cpus"] <= _cpus(limits["cpu"])
     assert ingress_actor["num_cpus"] > 0, "with 0 CPUs the ingress could be placed on the head (num-cpus 0)"
     autoscaling = deployment(app, "LLMServer")["autoscaling_config"]
-    assert autoscaling["max_replicas"] <= group["maxReplicas"] * int(limits["nvidia.com/gpu"]) // engine_actor["num_gpus"]
+    assert (autoscaling["max_replicas"]
+            <= group["maxReplicas"] * int(limits["nvidia.com/gpu"]) // engine_actor["num_gpus"])
     assert (autoscaling["min_replicas"], autoscaling["max_replicas"]) == (group["minReplicas"], group["maxReplicas"])
 
 
@@ -568,7 +570,8 @@ def test_serve_config_is_a_valid_serve_deploy_schema(serve_config, rayservice):
     assert app.import_path == "serve_app.app:build_app"
     assert app.route_prefix == "/"
     assert schema.http_options.host == "0.0.0.0"
-    assert schema.http_options.port == ports(head_container(rayservice))["serve"] == ports(worker_container(rayservice))["serve"]
+    assert (schema.http_options.port == ports(head_container(rayservice))["serve"]
+            == ports(worker_container(rayservice))["serve"])
     if rayservice["spec"].get("excludeHeadPodFromServeSvc"):
         # the serve Service then points at worker pods only: they need proxies of their own
         assert serve_config["proxy_location"] == "EveryNode"
@@ -669,7 +672,8 @@ def _policy_paths(serve_config) -> list[tuple[str, dict]]:
     found = []
     for app in serve_config["applications"]:
         if app.get("autoscaling_policy"):
-            found.append((app["autoscaling_policy"]["policy_function"], app["autoscaling_policy"].get("policy_kwargs", {})))
+            found.append((app["autoscaling_policy"]["policy_function"],
+                          app["autoscaling_policy"].get("policy_kwargs", {})))
         for d in app.get("deployments", []):
             policy = (d.get("autoscaling_config") or {}).get("policy")
             if policy:

@@ -21,7 +21,8 @@ def test_rms_norm_with_and_without_residual(dtype, rows):
     g = torch.Generator().manual_seed(rows)
     x, residual = (torch.randn(rows, 512, generator=g).to(dtype) for _ in range(2))
     weight = (torch.rand(512, generator=g) + 0.5).to(dtype)
-    torch.testing.assert_close(elementwise.rms_norm(x, weight, 1e-5), torch_rms_norm(x, weight, 1e-5), **TOLERANCE[dtype])
+    torch.testing.assert_close(elementwise.rms_norm(x, weight, 1e-5), torch_rms_norm(x, weight, 1e-5),
+                               **TOLERANCE[dtype])
     normed, summed = elementwise.rms_norm(x, weight, 1e-5, residual)
     want_normed, want_summed = torch_rms_norm(x, weight, 1e-5, residual)
     assert torch.equal(summed, want_summed)  # the sum is rounded where torch rounds it

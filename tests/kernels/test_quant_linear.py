@@ -9,8 +9,18 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import missing_toolchain
-from kernels.cpu.quant_linear import (dequantize_int4, dequantize_int8, int4_linear, int8_linear, pack_int4,
-                                      pack_int4_params, pack_int8, unpack_int4, unpack_int4_params, unpack_int8)
+from kernels.cpu.quant_linear import (
+    dequantize_int4,
+    dequantize_int8,
+    int4_linear,
+    int8_linear,
+    pack_int4,
+    pack_int4_params,
+    pack_int8,
+    unpack_int4,
+    unpack_int4_params,
+    unpack_int8,
+)
 
 # Only where nothing can compile: with a toolchain, a kernel that fails to build fails these tests.
 pytestmark = pytest.mark.skipif(bool(missing_toolchain()), reason=f"CPU kernels not compiled: {missing_toolchain()}")

@@ -271,7 +271,8 @@ def test_cpu_kernel_head_dims_and_dtypes_match_the_torch_path(head_dim: int, dty
     ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     for i, n in enumerate(seq_lens):
         tables[i, : -(-n // block_size)] = torch.tensor([ids.pop() for _ in range(-(-n // block_size))])
-    slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size for i, n in enumerate(seq_lens)])
+    slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+                          for i, n in enumerate(seq_lens)])
     md = AttentionMetadata(
         len(seq_lens), len(seq_lens), list(range(len(seq_lens) + 1)), seq_lens,
         torch.arange(len(seq_lens) + 1, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32), tables, slots,

@@ -69,7 +69,8 @@ def test_system_prompt_and_text_blocks(client, chat_tokens):
     # The same prompt as lists of text blocks (with cache_control, which is ignored).
     blocks = client.messages.create(
         model=MODEL, max_tokens=6, extra_body=GREEDY,
-        system=[{"type": "text", "text": "Be ", "cache_control": {"type": "ephemeral"}}, {"type": "text", "text": "terse."}],
+        system=[{"type": "text", "text": "Be ", "cache_control": {"type": "ephemeral"}},
+                {"type": "text", "text": "terse."}],
         messages=[{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}],
         metadata={"user_id": "someone"},
     )
@@ -93,12 +94,14 @@ def test_count_tokens_matches_what_a_message_costs(serve_app_url, client, chat_t
     assert counted.input_tokens == chat_tokens([{"role": "system", "content": "Be terse."}, *HELLO])
     r = client.messages.create(model=MODEL, max_tokens=2, extra_body=GREEDY, system=system, messages=HELLO)
     assert _input_tokens(r.usage) == counted.input_tokens
-    prefill = [*HELLO, {"role": "user", "content": "again"}, {"role": "assistant", "content": "Sure"}]  # merged, continued
+    # merged, continued
+    prefill = [*HELLO, {"role": "user", "content": "again"}, {"role": "assistant", "content": "Sure"}]
     r = client.messages.create(model=MODEL, max_tokens=2, extra_body=GREEDY, messages=prefill)
     assert client.messages.count_tokens(model=MODEL, messages=prefill).input_tokens == _input_tokens(r.usage)
     assert "model" in _error(httpx.post(serve_app_url + "/v1/messages/count_tokens", json={"messages": HELLO}),
                              400, "invalid_request_error")
-    assert "nope" in _error(httpx.post(serve_app_url + "/v1/messages/count_tokens", json={"model": "nope", "messages": HELLO}),
+    assert "nope" in _error(httpx.post(serve_app_url + "/v1/messages/count_tokens",
+                                       json={"model": "nope", "messages": HELLO}),
                             404, "not_found_error")
 
 
@@ -132,7 +135,8 @@ def test_stream_through_the_sdk(client):
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 8
     assert _input_tokens(final.usage) == _input_tokens(full.usage)
     # Raw events (the SDK drops pings).
-    types = [e.type for e in client.messages.create(model=MODEL, max_tokens=4, extra_body=GREEDY, messages=HELLO, stream=True)]
+    types = [e.type for e in client.messages.create(model=MODEL, max_tokens=4, extra_body=GREEDY, messages=HELLO,
+                                                    stream=True)]
     assert types[:2] == ["message_start", "content_block_start"] and types[-3:] == [
         "content_block_stop", "message_delta", "message_stop"]
     assert set(types[2:-3]) == {"content_block_delta"}
@@ -143,17 +147,20 @@ def test_stop_sequences(client):
     text = base.content[0].text
     stop = next((text[i:i + 4] for i in range(2, len(text) - 4) if text[i:i + 4].strip() == text[i:i + 4]), None)
     assert stop, f"no 4-character stop string in {text!r}"
-    r = client.messages.create(model=MODEL, max_tokens=16, extra_body=GREEDY, messages=HELLO, stop_sequences=["zzqx", stop])
+    r = client.messages.create(model=MODEL, max_tokens=16, extra_body=GREEDY, messages=HELLO,
+                               stop_sequences=["zzqx", stop])
     assert r.stop_reason == "stop_sequence" and r.stop_sequence == stop
     assert r.content[0].text == text[: text.index(stop)]
-    with client.messages.stream(model=MODEL, max_tokens=16, extra_body=GREEDY, messages=HELLO, stop_sequences=[stop]) as s:
+    with client.messages.stream(model=MODEL, max_tokens=16, extra_body=GREEDY, messages=HELLO,
+                                stop_sequences=[stop]) as s:
         streamed = "".join(s.text_stream)
         final = s.get_final_message()
     assert streamed == r.content[0].text and final.stop_reason == "stop_sequence" and final.stop_sequence == stop
 
 
 def test_sampling_fields(client):
-    r = client.messages.create(model=MODEL, max_tokens=4, extra_body={"temperature": 0.7, "top_p": 0.9, "top_k": 40}, messages=HELLO)
+    r = client.messages.create(model=MODEL, max_tokens=4, extra_body={"temperature": 0.7, "top_p": 0.9, "top_k": 40},
+                               messages=HELLO)
     assert r.usage.output_tokens == 4 and r.stop_reason == "max_tokens"
 
 
@@ -167,7 +174,8 @@ def _error(r: httpx.Response, status: int, kind: str) -> str:
 @pytest.mark.parametrize("body, status, kind, names", [
     ({"model": MODEL, "messages": HELLO}, 400, "invalid_request_error", "max_tokens"),
     ({"model": MODEL, "max_tokens": 0, "messages": HELLO}, 400, "invalid_request_error", "max_tokens"),
-    ({"model": MODEL, "max_tokens": 4, "temperature": 1.5, "messages": HELLO}, 400, "invalid_request_error", "temperature"),
+    ({"model": MODEL, "max_tokens": 4, "temperature": 1.5, "messages": HELLO}, 400, "invalid_request_error",
+     "temperature"),
     ({"model": "claude-nonexistent", "max_tokens": 4, "messages": HELLO}, 404, "not_found_error", "claude-nonexistent"),
     ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      400, "invalid_request_error", "messages.0.content"),
@@ -175,7 +183,8 @@ def _error(r: httpx.Response, status: int, kind: str) -> str:
      "messages.0.role"),
     ({"model": MODEL, "max_tokens": 4, "messages": []}, 400, "invalid_request_error", "messages"),
     ({"model": MODEL, "max_tokens": 5000, "messages": HELLO}, 400, "invalid_request_error", "max_tokens"),
-    ({"model": MODEL, "max_tokens": 5000, "messages": HELLO, "stream": True}, 400, "invalid_request_error", "max_tokens"),
+    ({"model": MODEL, "max_tokens": 5000, "messages": HELLO, "stream": True}, 400, "invalid_request_error",
+     "max_tokens"),
 ])
 def test_errors_in_anthropic_shape(serve_app_url, body, status, kind, names):
     message = _error(httpx.post(serve_app_url + "/v1/messages", json=body), status, kind)
@@ -220,7 +229,8 @@ def test_openapi_requires_the_type_of_a_text_block(serve_app_url):
     spec = httpx.get(serve_app_url + "/openapi.json").json()
     assert spec["components"]["schemas"]["TextBlockParam"]["required"] == ["type", "text"]
     body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"text": "hi"}]}]}
-    assert "messages.0.content" in _error(httpx.post(serve_app_url + "/v1/messages", json=body), 400, "invalid_request_error")
+    assert "messages.0.content" in _error(httpx.post(serve_app_url + "/v1/messages", json=body), 400,
+                                          "invalid_request_error")
 
 
 def test_disconnect_mid_stream_aborts(serve_app_url, engine_handle):
@@ -292,7 +302,8 @@ def test_tool_use_streamed(serve_app_url, client):
         final = stream.get_final_message()
     assert final.stop_reason == "tool_use" and [b.type for b in final.content] == ["tool_use"]
     assert final.content[0].input == whole.content[0].input and final.content[0].name == "get_weather"
-    events = _raw_events(serve_app_url, {**{k: v for k, v in kwargs.items() if k != "extra_body"}, **GREEDY, "stream": True})
+    events = _raw_events(serve_app_url, {**{k: v for k, v in kwargs.items() if k != "extra_body"}, **GREEDY,
+                                         "stream": True})
     names = [n for n, _ in events]
     deltas = names.count("content_block_delta")
     assert deltas >= 2 and names == (["message_start", "ping", "content_block_start"] + ["content_block_delta"] * deltas
@@ -352,7 +363,8 @@ def test_count_tokens_counts_tools(client):
      "messages.1.content"),
     ({"messages": [*ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": "x", "name": "f"}]}]},
      "messages.1.content"),
-    ({"messages": [*ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": "x", "name": "f", "input": {}}]}]},
+    ({"messages": [*ASK, {"role": "assistant",
+                          "content": [{"type": "tool_use", "id": "x", "name": "f", "input": {}}]}]},
      "messages"),
 ])
 def test_tool_errors(serve_app_url, extra, names):

@@ -26,7 +26,8 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_config_is_valid(path):
     config = yaml.safe_load(path.read_text())
-    schema = ServeDeploySchema.model_validate(config) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(config)
+    schema = (ServeDeploySchema.model_validate(config) if hasattr(ServeDeploySchema, "model_validate")
+              else ServeDeploySchema.parse_obj(config))
     for app in schema.applications:
         module, attr = app.import_path.split(":")
         builder = getattr(importlib.import_module(module), attr)
@@ -34,7 +35,8 @@ def test_config_is_valid(path):
         assert builder.__annotations__["args"] is AppArgs  # a class, not a string: Ray validates args with it
         names = {d.name for d in app.deployments}
         assert names <= {"LLMServer", "PrefillServer", "DecodeServer", "OpenAIIngress", "IngressRouter"}, names
-        assert not (args.direct_streaming and "OpenAIIngress" in names), "direct_streaming apps have no ingress deployment"
+        assert not (args.direct_streaming and "OpenAIIngress" in names), (
+            "direct_streaming apps have no ingress deployment")
         assert args.engine_config().model == args.model
         build_app(args)  # checks the engine config against a model it can read here (the built-ins)
 
@@ -139,7 +141,8 @@ def test_multi_rank_replica_gets_one_bundle_per_rank():
     assert placement["ray_actor_options"] == {"num_cpus": 4, "num_gpus": 1}  # the replica's engine process is rank 0
     cpu = AppArgs.model_validate({"engine": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}})
     placement = cpu.placement(cpu.engine_config())
-    assert placement["placement_group_bundles"] == [{"CPU": 0.01}] * 4 and placement["placement_group_strategy"] == "PACK"
+    assert (placement["placement_group_bundles"] == [{"CPU": 0.01}] * 4
+            and placement["placement_group_strategy"] == "PACK")
     assert AppArgs.model_validate({}).placement(AppArgs.model_validate({}).engine_config()) == {}
 
 
@@ -167,7 +170,8 @@ def test_disaggregation_sizes_each_pool_and_gives_each_its_engine_and_signals():
     with pytest.raises(ValueError, match="min_replicas: a pool may not scale to 0"):
         AppArgs.model_validate({"disaggregation": {"decode": {"autoscaling_config": {"min_replicas": 0}}}})
     for field, value in (("quantization", "int8"), ("seed", 1), ("model", "pagedserve-tiny")):
-        with pytest.raises(ValueError, match=f"disaggregation.prefill.engine.{field}: both pools must run the same weights"):
+        with pytest.raises(ValueError,
+                           match=f"disaggregation.prefill.engine.{field}: both pools must run the same weights"):
             AppArgs.model_validate({"disaggregation": {"prefill": {"engine": {field: value}}}})
 
 
@@ -181,7 +185,8 @@ UNRUNNABLE = {
                  "tensor_parallel_size: 3 does not divide num_attention_heads=4", {"tensor_parallel_size": 2}),
     "int4_group_split": ({"model": "pagedserve-tiny", "engine": {"quantization": "int4", "tensor_parallel_size": 2}},
                          (r"quantization: 'int4' groups model\.layers\.0\.self_attn\.o_proj's 64 inputs by 64, which "
-                          r"does not divide the 32 each rank holds; use another tensor_parallel_size"), {"quantization": "int8"}),
+                          r"does not divide the 32 each rank holds; use another tensor_parallel_size"),
+                         {"quantization": "int8"}),
     "quant_mismatch": ({"engine": {"quantization": "awq"}},
                        "quantization: 'awq' was asked for, but the checkpoint is in 'gptq'", {"quantization": "gptq"}),
     "prefill_pool": ({"model": "pagedserve-tiny-moe",

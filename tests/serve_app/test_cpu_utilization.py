@@ -43,7 +43,8 @@ def test_cgroup_v1_busy_time_and_limit(tmp_path):
 def test_proc_stat_counts_every_cpu_of_the_machine(tmp_path):
     hz = os.sysconf("SC_CLK_TCK")
     # user nice system idle iowait irq softirq steal: idle and iowait are not busy, steal is
-    write(tmp_path, "proc/stat", f"cpu  {hz} 0 {hz} {50 * hz} {hz} 0 0 {hz} 0 0\ncpu0 1 0 0 0\ncpu1 1 0 0 0\ncpu2 1 0 0 0\nintr 5\n")
+    write(tmp_path, "proc/stat",
+          f"cpu  {hz} 0 {hz} {50 * hz} {hz} 0 0 {hz} 0 0\ncpu0 1 0 0 0\ncpu1 1 0 0 0\ncpu2 1 0 0 0\nintr 5\n")
     assert proc_stat(tmp_path, cpus=1) == (3.0, 3.0)
     write(tmp_path, "proc/stat", "garbled\n")
     assert proc_stat(tmp_path, cpus=1) is None

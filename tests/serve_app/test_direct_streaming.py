@@ -58,7 +58,8 @@ def test_chat_and_messages_routes(direct_url):
                       json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}).json()
     assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] <= 4
     message = httpx.post(direct_url + "/v1/messages", timeout=60,
-                         json={"model": "pagedserve-tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
+                         json={"model": "pagedserve-tiny", "max_tokens": 4,
+                               "messages": [{"role": "user", "content": "Hi"}]})
     assert message.status_code == 200 and message.json()["type"] == "message"
     assert httpx.get(direct_url + "/health", timeout=10).status_code == 200
 

@@ -54,7 +54,7 @@ def app_url(deploy_app, adapter):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_path):
-    from engine.tokenizer import load_tokenizer
+    from engine.frontend.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_model_path)
 
@@ -117,10 +117,12 @@ def test_disaggregated_answers_equal_colocated(app_url, serve_app_url):
     for a, b in zip(ours.choices[0].logprobs.token_logprobs, ref.choices[0].logprobs.token_logprobs):
         assert a == pytest.approx(b, abs=1e-4)
     sampled = dict(n=2, temperature=0.8, seed=11)
-    assert [c.text for c in _complete(app_url, LONG, **sampled).choices] == [c.text for c in _complete(serve_app_url, LONG, **sampled).choices]
-    chat = {"model": "pagedserve-tiny", "messages": [{"role": "user", "content": LONG}], "max_tokens": 8, "temperature": 0}
-    streamed = "".join(c.choices[0].delta.content or "" for c in _client(app_url).chat.completions.create(**chat, stream=True)
-                       if c.choices)
+    assert ([c.text for c in _complete(app_url, LONG, **sampled).choices]
+            == [c.text for c in _complete(serve_app_url, LONG, **sampled).choices])
+    chat = {"model": "pagedserve-tiny", "messages": [{"role": "user", "content": LONG}], "max_tokens": 8,
+            "temperature": 0}
+    streamed = "".join(c.choices[0].delta.content or ""
+                       for c in _client(app_url).chat.completions.create(**chat, stream=True) if c.choices)
     assert streamed == _client(serve_app_url).chat.completions.create(**chat).choices[0].message.content
     after = _pd_stats()
     assert after["remote"] - before["remote"] == 3 and after["transfers"] - before["transfers"] == 3
@@ -207,7 +209,7 @@ def test_a_failed_write_leaves_no_staged_file(tmp_path):
 
 def _prefill_only(prompt_ids: list[int]) -> None:
     """Prefill a prompt on the prefill replica alone (its KV released at once, its blocks left cached there)."""
-    from engine.block_hash import hash_block_chain
+    from engine.core.block_hash import hash_block_chain
     from engine.sampling_params import SamplingParams
     from serve_app.disaggregation.transfer import KVFetchRequest
     from serve_app.engine_request import EngineRequest

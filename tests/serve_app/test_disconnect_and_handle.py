@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from serve_app.protocol.openai import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse
+from serve_app.protocol.openai import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+)
 from tests.serve_app.conftest import APP, disconnect_mid_stream
 
 

@@ -61,7 +61,8 @@ def test_invalid_values_are_400_naming_the_field(serve_app_url, route, body, par
 
 def test_malformed_json_and_non_object_body(serve_app_url):
     headers = {"content-type": "application/json"}
-    assert _error(httpx.post(serve_app_url + "/v1/completions", content=b"{oops", headers=headers), 400)["code"] == "invalid_json"
+    assert (_error(httpx.post(serve_app_url + "/v1/completions", content=b"{oops", headers=headers), 400)["code"]
+            == "invalid_json")
     _error(httpx.post(serve_app_url + "/v1/chat/completions", content=b"[1, 2]", headers=headers), 400)
 
 
@@ -78,7 +79,8 @@ def test_framework_errors_carry_the_error_object(serve_app_url):
     for r in (httpx.get(serve_app_url + "/v1/messages"),
               httpx.post(serve_app_url + "/v1/messages", content=b"\xff", headers=headers)):
         assert r.status_code in (400, 405)
-        assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": r.json()["error"]["message"]}}
+        assert r.json() == {"type": "error",
+                            "error": {"type": "invalid_request_error", "message": r.json()["error"]["message"]}}
 
 
 def test_oversized_bodies_are_413_before_parsing(serve_app_url):
@@ -107,7 +109,8 @@ def test_prompt_too_long(serve_app_url):
     long_prompt = list(range(1, 1100))  # max_model_len is 1024
     error = _error(httpx.post(serve_app_url + "/v1/completions", json={"prompt": long_prompt}), 400, "prompt")
     assert error["code"] == "context_length_exceeded"
-    error = _error(httpx.post(serve_app_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5000}), 400, "max_tokens")
+    error = _error(httpx.post(serve_app_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5000}), 400,
+                   "max_tokens")
     assert error["code"] == "context_length_exceeded"
 
 
@@ -131,9 +134,11 @@ def test_api_keys(small_app):
     url = small_app.url
     body = {"prompt": "x", "max_tokens": 2}
     _error(httpx.post(url + "/v1/completions", json=body), 401)
-    assert _error(httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"}), 401)["type"] == "authentication_error"
+    assert _error(httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"}),
+                  401)["type"] == "authentication_error"
     for key in SMALL_APP_KEYS:
-        assert httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60).status_code == 200
+        assert httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                          timeout=60).status_code == 200
     assert httpx.get(url + "/health").status_code == 200  # no key needed outside /v1
     assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {SMALL_APP_KEYS[1]}"}).status_code == 200
 

@@ -120,7 +120,8 @@ def test_runtime_loads_are_refused_outside_lora_root_and_when_bad(client, lora_u
     outside, root = adapters
     for path in (str(outside / "sql"), str(root / ".." / outside.name / "sql"), "/etc", "../../etc"):
         r = _post(lora_url, "/v1/load_lora_adapter", {"lora_name": "escape", "lora_path": path})
-        assert r.status_code == 400 and r.json()["error"]["message"] == "lora_path: must be a folder under the app's lora_root"
+        assert (r.status_code == 400
+                and r.json()["error"]["message"] == "lora_path: must be a folder under the app's lora_root")
     r = _post(lora_url, "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": "corrupt"})
     assert r.status_code == 400 and "use_dora" in r.json()["error"]["message"]
     r = _post(lora_url, "/v1/load_lora_adapter", {"lora_name": "missing", "lora_path": "nothing-here"})
@@ -159,14 +160,16 @@ def test_disk_problems_are_answered_naming_the_path(client, lora_url, adapters):
         for route, body in (("load", {"lora_name": "w", "lora_path": "runtime"}), ("unload", {"lora_name": "w"})):
             r = _post(lora_url, f"/v1/{route}_lora_adapter", body)
             message = r.json()["error"]["message"]
-            assert r.status_code == 500 and message.startswith(f"lora_root: cannot lock the LoRA adapter registry {registry}")
+            assert r.status_code == 500 and message.startswith(
+                f"lora_root: cannot lock the LoRA adapter registry {registry}")
             assert str(lock) in message, message
     finally:
         lock.rmdir()
     saved = registry.read_bytes() if registry.exists() else None
     registry.write_text("{not json")
     try:
-        with pytest.raises(openai.InternalServerError, match=re.escape(f"the LoRA adapter registry {registry} is corrupt")):
+        with pytest.raises(openai.InternalServerError,
+                           match=re.escape(f"the LoRA adapter registry {registry} is corrupt")):
             _complete(client, "runtime-or-not")
     finally:
         registry.unlink()

@@ -72,7 +72,8 @@ def test_chat(client):
 
 def test_max_completion_tokens_and_content_parts(client):
     r = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}],
+        model=MODEL,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}],
         max_completion_tokens=3,
     )
     assert r.usage.completion_tokens == 3
@@ -83,8 +84,8 @@ def test_n_and_seed(client):
                                        temperature=1.0, seed=11)
     assert [c.index for c in r.choices] == [0, 1]
     assert r.choices[0].message.content != r.choices[1].message.content
-    again = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Pick"}], n=2, max_tokens=8,
-                                           temperature=1.0, seed=11)
+    again = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Pick"}], n=2,
+                                           max_tokens=8, temperature=1.0, seed=11)
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
     streamed = client.completions.create(model=MODEL, prompt="abc", n=2, max_tokens=6, stream=True, seed=3)
     per_index: dict[int, str] = {}
@@ -116,11 +117,13 @@ def test_completion_logprobs_and_echo_on_token_ids(client, serve_app_url, detoke
     assert r.choices[0].text.startswith(detokenize(prompt))
     # The echoed prompt logprobs are the engine's prompt_logprobs.
     direct = httpx.post(serve_app_url + "/v1/completions", json={
-        "model": MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2, "echo": True, "logprobs": 2}, timeout=60).json()
+        "model": MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2, "echo": True, "logprobs": 2},
+        timeout=60).json()
     assert direct["choices"][0]["logprobs"]["token_logprobs"][: len(prompt)] == lp.token_logprobs[: len(prompt)]
     from engine import LLM, SamplingParams
 
-    engine = LLM(MODEL, max_model_len=1024).generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    engine = LLM(MODEL, max_model_len=1024).generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2),
+                                                     use_tqdm=False)[0]
     expected = [None] + [e[t].logprob for t, e in zip(prompt[1:], engine.prompt_logprobs[1:])]
     assert lp.token_logprobs[: len(prompt)] == pytest.approx(expected, abs=1e-5)
 
@@ -148,7 +151,8 @@ def test_stop_and_sampling_knobs(client, detokenize):
 def test_cached_tokens_are_reported(client):
     prompt = " ".join(["shared prefix words"] * 30)
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
-    counts = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=2).usage.prompt_tokens_details.cached_tokens
+    counts = [client.completions.create(model=MODEL, prompt=prompt,
+                                        max_tokens=2).usage.prompt_tokens_details.cached_tokens
               for _ in range(4)]
     assert max(counts) > 0  # at least one landed on a replica holding the prefix
 
@@ -166,7 +170,8 @@ def test_tokenize_detokenize_version_health(serve_app_url):
 
 def test_openapi_describes_every_route(serve_app_url):
     spec = httpx.get(serve_app_url + "/openapi.json").json()
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/version"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
+                 "/version"):
         assert path in spec["paths"], path
     bad_body = spec["paths"]["/v1/completions"]["post"]["responses"]
     assert "400" in bad_body and "422" not in bad_body  # invalid bodies are 400, as OpenAI answers

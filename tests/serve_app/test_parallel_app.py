@@ -54,8 +54,10 @@ def test_two_rank_replica_answers_like_one_rank(app_url, serve_app_url):
     assert b.choices[0].text == a.choices[0].text and b.usage.completion_tokens == 12
     for x, y in zip(a.choices[0].logprobs.token_logprobs, b.choices[0].logprobs.token_logprobs):
         assert y == pytest.approx(x, abs=1e-4)
-    chat = {"model": "pagedserve-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}
-    streamed = "".join(c.choices[0].delta.content or "" for c in two.chat.completions.create(**chat, stream=True) if c.choices)
+    chat = {"model": "pagedserve-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "temperature": 0}
+    streamed = "".join(c.choices[0].delta.content or "" for c in two.chat.completions.create(**chat, stream=True)
+                       if c.choices)
     assert streamed == one.chat.completions.create(**chat).choices[0].message.content
 
 
@@ -63,8 +65,8 @@ def test_placement_group_has_a_bundle_per_rank(app_url):
     import ray
 
     replica = _replica_actor()
-    [group] = [g for g in ray.util.placement_group_table().values() if g["name"] == replica.removeprefix("SERVE_REPLICA::")
-               or g["name"] == replica]
+    [group] = [g for g in ray.util.placement_group_table().values()
+               if g["name"] == replica.removeprefix("SERVE_REPLICA::") or g["name"] == replica]
     assert group["strategy"] == "STRICT_PACK" and group["state"] == "CREATED"
     assert list(group["bundles"].values()) == [{"CPU": 0.01}, {"CPU": 0.01}]
     assert len(_worker_actors()) == 1
@@ -94,5 +96,6 @@ def test_killed_worker_ends_streams_and_the_replica_is_replaced(app_url):
 
     wait_for(replaced, timeout=120, interval=1)
     client = openai.OpenAI(base_url=app_url + "/v1", api_key="-", max_retries=2, timeout=60)
-    wait_for(lambda: client.completions.create(model="pagedserve-tiny", prompt="again", max_tokens=4).usage.completion_tokens == 4,
+    wait_for(lambda: client.completions.create(model="pagedserve-tiny", prompt="again",
+                                               max_tokens=4).usage.completion_tokens == 4,
              timeout=60, interval=1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.block_hash import hash_block_chain, short_hash
+from engine.core.block_hash import hash_block_chain, short_hash
 from serve_app.routing.prefix_policy import PrefixRouterConfig, PrefixRouterPolicy, ReplicaLoad
 
 BS = 16
@@ -41,7 +41,8 @@ def test_load_trades_against_affinity_and_a_hot_prefix_spills():
     d = PrefixRouterPolicy().route(h, replicas(a=busy), now=0.0)
     assert d.ranked[0] != "a" and d.reason == "spill"
     long = prompt(1, 1, prefix_blocks=200)  # 3200 cached tokens outweigh three waiting requests
-    d = PrefixRouterPolicy().route(long, replicas(a=ReplicaLoad("a", num_waiting=3, cached_blocks=holding(long, 200))), 0.0)
+    d = PrefixRouterPolicy().route(long, replicas(a=ReplicaLoad("a", num_waiting=3, cached_blocks=holding(long, 200))),
+                                   0.0)
     assert d.ranked[0] == "a"
 
 
@@ -168,20 +169,25 @@ def test_lora_adapter_holders_win_then_longest_prefix_among_them():
     cached = frozenset(short_hash(h) for h in hashes[:3])
     replicas = [
         ReplicaLoad("holds-prefix-only", cached_blocks=cached, adapters=frozenset()),
-        ReplicaLoad("holds-adapter", cached_blocks=frozenset(short_hash(h) for h in hashes[:1]), adapters=frozenset({"sql"})),
-        ReplicaLoad("holds-both", cached_blocks=frozenset(short_hash(h) for h in hashes[:2]), adapters=frozenset({"sql", "x"})),
+        ReplicaLoad("holds-adapter", cached_blocks=frozenset(short_hash(h) for h in hashes[:1]),
+                    adapters=frozenset({"sql"})),
+        ReplicaLoad("holds-both", cached_blocks=frozenset(short_hash(h) for h in hashes[:2]),
+                    adapters=frozenset({"sql", "x"})),
     ]
-    assert policy.route(hashes, replicas, now, adapter="sql").ranked == ["holds-both", "holds-adapter", "holds-prefix-only"]
+    assert (policy.route(hashes, replicas, now, adapter="sql").ranked
+            == ["holds-both", "holds-adapter", "holds-prefix-only"])
     assert policy.route(hashes, replicas, now).ranked[0] == "holds-prefix-only"  # no adapter: prefix alone
     # A busy holder spills to a replica that will load the adapter.
-    busy = [ReplicaLoad("holder", num_waiting=4, adapters=frozenset({"sql"})), ReplicaLoad("idle", adapters=frozenset())]
+    busy = [ReplicaLoad("holder", num_waiting=4, adapters=frozenset({"sql"})),
+            ReplicaLoad("idle", adapters=frozenset())]
     assert policy.route(hashes, busy, now, adapter="sql").ranked[0] == "idle"
 
 
 def test_lora_routing_remembers_where_it_sent_an_adapter_until_a_newer_report():
     policy = PrefixRouterPolicy(PrefixRouterConfig(block_size=BS))
     short = hash_block_chain([9] * BS, BS, lora_digest="d")  # a short prompt: load and adapter alone decide
-    fresh = [ReplicaLoad("a", adapters=frozenset(), stats_age_s=1.0), ReplicaLoad("b", adapters=frozenset(), stats_age_s=1.0)]
+    fresh = [ReplicaLoad("a", adapters=frozenset(), stats_age_s=1.0),
+             ReplicaLoad("b", adapters=frozenset(), stats_age_s=1.0)]
     first = policy.route(short, fresh, 10.0, adapter="sql").ranked[0]
     policy.record(short, first, 10.0, adapter="sql")
     policy.complete(first)

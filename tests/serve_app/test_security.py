@@ -29,7 +29,8 @@ def _logs_containing(texts: list[str]) -> list[str]:
 def test_prompts_and_completions_stay_out_of_logs(serve_app_url):
     canary = f"canary-{uuid.uuid4().hex}"
     prompt = f"{canary} tell me a secret"
-    r = httpx.post(serve_app_url + "/v1/completions", json={"prompt": prompt, "max_tokens": 24, "ignore_eos": True}, timeout=60)
+    r = httpx.post(serve_app_url + "/v1/completions", json={"prompt": prompt, "max_tokens": 24, "ignore_eos": True},
+                   timeout=60)
     completion = r.json()["choices"][0]["text"]
     assert len(completion) >= 20
     chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "stream": True}

@@ -23,4 +23,5 @@ def test_soak_mixed_requests(serve_app_url):
     assert not report.problems, report.table() + "\n" + "\n".join(report.problems)
     results = Counter(o.result for o in report.outcomes)
     assert results["completed"] >= REQUESTS * 0.7 and results["disconnected"] > 0 and results["cancelled"] > 0
-    assert {o.spec.ending for o in report.outcomes if o.result == "completed"} == {"length", "stop_token", "stop_string", "json"}
+    assert ({o.spec.ending for o in report.outcomes if o.result == "completed"}
+            == {"length", "stop_token", "stop_string", "json"})

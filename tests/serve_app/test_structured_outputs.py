@@ -97,9 +97,11 @@ def test_vllm_structural_tag_and_structured_outputs_options(client):
         "type": "tag", "begin": "<d>", "content": {"type": "regex", "pattern": "[0-9]{2}-[a-z]{2}"}, "end": "</d>"}}
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A code"}], max_tokens=60,
                                        n=2, response_format=fmt)
-    assert all(c.finish_reason == "stop" and re.fullmatch(r"<d>\d\d-[a-z]{2}</d>", c.message.content) for c in r.choices)
+    assert all(c.finish_reason == "stop" and re.fullmatch(r"<d>\d\d-[a-z]{2}</d>", c.message.content)
+               for c in r.choices)
     digit = {"type": "object", "properties": {"d": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["d"]}
-    so = {"json": digit, "disable_any_whitespace": True, "disable_fallback": True, "disable_additional_properties": True}
+    so = {"json": digit, "disable_any_whitespace": True, "disable_fallback": True,
+          "disable_additional_properties": True}
     r = client.completions.create(model=MODEL, prompt="A digit:", max_tokens=60, extra_body={"structured_outputs": so})
     assert r.choices[0].finish_reason == "stop" and re.fullmatch(r'\{"d": \d\}', r.choices[0].text)
 
@@ -172,7 +174,8 @@ def test_named_tool_choice_whole_and_streamed(client):
 def test_auto_reads_the_models_tool_call_format(client):
     """The built-in template is Mistral's, so `auto` parses [TOOL_CALLS]. A random model never writes
     one on its own: a regex makes it write one, and the parser must read it back, whole and streamed."""
-    call = r'Let me check\. \[TOOL_CALLS\] \[\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "unit": "C", "days": [1-7]\}\}\]'
+    call = (r'Let me check\. \[TOOL_CALLS\] \[\{"name": "get_weather", "arguments": '
+            r'\{"city": "(Paris|Rome)", "unit": "C", "days": [1-7]\}\}\]')
     kwargs = dict(tools=TOOLS, tool_choice="auto", seed=4, extra_body={"structured_outputs": {"regex": call}})
     r = _chat(client, 0, **kwargs)
     choice = r.choices[0]
@@ -208,7 +211,8 @@ def test_tool_results_go_through_the_chat_template(client):
 @pytest.mark.parametrize(
     "route, body, param",
     [
-        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+        ("/v1/chat/completions",
+         {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
          "response_format"),
         ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
         ("/v1/completions", {"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
@@ -223,18 +227,22 @@ def test_tool_results_go_through_the_chat_template(client):
                              "response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/completions", {"structured_outputs": {"grammar": 'root ::= "' + "a" * MAX_GRAMMAR_BYTES + '"'}},
          "structured_outputs"),
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]},
+        ("/v1/chat/completions",
+         {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]},
          "tools.0.function.parameters"),
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+         "tools.0.function.name"),
         ("/v1/chat/completions", {"tools": [WEATHER, WEATHER]}, "tools"),
         ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "tool_choice"),
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-        ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+        ("/v1/chat/completions",
+         {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
          "tool_choice"),
         # Valid to the JSON Schema meta-schema, but no regex xgrammar can compile: caught by the ingress's compile.
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {"s": {"type": "string", "pattern": "(a)\\1"}}}}}], "tool_choice": "required"},
+            "type": "object", "properties": {"s": {"type": "string", "pattern": "(a)\\1"}}}}}],
+            "tool_choice": "required"},
          "tools"),
         ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
             "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}}, "response_format"),

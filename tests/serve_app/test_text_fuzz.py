@@ -22,7 +22,8 @@ def test_hostile_text_in_every_field_is_served_or_refused_naming_it(serve_app_ur
     before = live_app.replicas(APP)
     sample = cases(model, SAMPLE_TEXTS, long_texts_on=LONG_TEXTS_ON)
     outcomes = run(serve_app_url, sample, concurrency=8)
-    failures = "\n".join(f"{o.case.route} {o.case.field} <- {o.case.text_name}: {o.problem}" for o in outcomes if o.problem)
+    failures = "\n".join(f"{o.case.route} {o.case.field} <- {o.case.text_name}: {o.problem}"
+                         for o in outcomes if o.problem)
     assert not failures, f"{table(outcomes)}\n{failures}"
     statuses = {o.status // 100 for o in outcomes}
     assert statuses == {2, 4}  # both served and refused cases: the sample reaches both paths

@@ -16,14 +16,16 @@ CASES = {
                'I will look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
                '<tool_call>{"name": "search", "arguments": {"query": "a<b"}}</tool_call>', "I will look."),
     "llama3_json": ("llama3_json",
-                    '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "search", "parameters": {"query": "a<b"}}',
+                    '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                    '{"name": "search", "parameters": {"query": "a<b"}}',
                     None),
     "mistral": ("mistral", 'I will look. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
                            '{"name": "search", "arguments": {"query": "a<b"}}]', "I will look."),
     "mistral_v11": ("mistral", 'I will look.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]search[ARGS]'
                                '{"query": "a<b"}', "I will look."),
     "pythonic": ("pythonic", '[get_weather(city="Paris"), search(query=\'a<b\')]', None),
-    "pythonic_llama4": ("pythonic", '<|python_start|>[get_weather(city="Paris"), search(query="a<b")]<|python_end|>', None),
+    "pythonic_llama4": ("pythonic", '<|python_start|>[get_weather(city="Paris"), search(query="a<b")]<|python_end|>',
+                        None),
 }
 EXPECTED = [("get_weather", {"city": "Paris"}), ("search", {"query": "a<b"})]
 

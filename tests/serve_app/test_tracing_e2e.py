@@ -45,7 +45,8 @@ def test_one_trace_from_the_edge_to_the_engine(traced):
     spans = _spans(receiver, trace_id, {"POST /v1/completions", "tokenize", "route", "llm_request"})
     server, tokenize, route, llm = (spans[n] for n in ("POST /v1/completions", "tokenize", "route", "llm_request"))
     assert server.parent_span_id == parent and server.kind == 2  # SERVER
-    assert server.attributes["http.route"] == "/v1/completions" and server.attributes["http.response.status_code"] == 200
+    assert (server.attributes["http.route"] == "/v1/completions"
+            and server.attributes["http.response.status_code"] == 200)
     assert tokenize.parent_span_id == route.parent_span_id == llm.parent_span_id == server.span_id
     assert server.resource["pagedserve.component"] == "ingress" and llm.resource["pagedserve.component"] == "engine"
     assert route.attributes["pagedserve.route.policy"] == "prefix"

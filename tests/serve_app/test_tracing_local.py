@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from serve_app import tracing
+from serve_app.errors import APIError
 from serve_app.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 
@@ -68,7 +69,8 @@ def test_handle_call_joins_the_callers_trace(traced_app):
     with caller.start_as_current_span("client") as parent:
         carrier = {}
         tracing._PROPAGATOR.inject(carrier)
-        request = ChatCompletionRequest(messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=0.5, top_p=0.9)
+        request = ChatCompletionRequest(messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=0.5,
+                                        top_p=0.9)
         [response] = list(handle.chat.remote(request, trace_context=carrier))
     spans = _by_name(exporter.get_finished_spans())
     trace_id = parent.get_span_context().trace_id
@@ -122,7 +124,7 @@ def test_without_a_caller_context_a_new_trace_starts(traced_app):
 def test_failed_and_aborted_requests_end_their_spans(traced_app):
     handle, exporter, _ = traced_app
     exporter.clear()
-    with pytest.raises(Exception):
+    with pytest.raises(APIError, match="`nope` does not exist"):
         list(handle.completions.remote(CompletionRequest(prompt="Hi", max_tokens=2, model="nope")))
     failed = _by_name(exporter.get_finished_spans())["completions"]
     assert failed.status.status_code is StatusCode.ERROR and failed.events[0].name == "exception"
@@ -157,7 +159,8 @@ def test_default_otlp_protocol_is_grpc_and_reaches_a_collector(monkeypatch):
 
     class Collector(trace_service_pb2_grpc.TraceServiceServicer):
         def Export(self, request, context):  # noqa: N802 - the gRPC service's name
-            received.extend((s.name, {a.key: a.value.string_value for a in rs.resource.attributes}.get("pagedserve.replica"))
+            received.extend((s.name,
+                             {a.key: a.value.string_value for a in rs.resource.attributes}.get("pagedserve.replica"))
                             for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans)
             return trace_service_pb2.ExportTraceServiceResponse()
 
@@ -167,7 +170,8 @@ def test_default_otlp_protocol_is_grpc_and_reaches_a_collector(monkeypatch):
     server.start()
     try:
         with _process_tracing_reset():
-            config = tracing.TracingConfig(exporter="otlp", endpoint=f"http://127.0.0.1:{port}", export_interval_ms=60_000)
+            config = tracing.TracingConfig(exporter="otlp", endpoint=f"http://127.0.0.1:{port}",
+                                           export_interval_ms=60_000)
             assert tracing.setup_tracing(config, {"pagedserve.replica": "r1"}) is not None
             with tracing.span("tokenize"):
                 pass

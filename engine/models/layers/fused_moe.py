@@ -34,7 +34,7 @@ from torch import nn
 from engine.distributed import get_tp_group
 from engine.models.checkpoint import CheckpointTensor
 from engine.models.layers.linear import copy_checked, divide
-from engine.models.layers.quantization import QuantizationConfig, set_weight_attrs
+from engine.models.layers.quantization.base import QuantizationConfig, set_weight_attrs
 from kernels.cpu import load_moe_kernels
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,8 @@ class FusedMoEMethod(ABC):
         carrying `expert_dim`, `output_dim`, `input_dim` and the layer's `weight_loader`, which fills one
         expert's projection at a time."""
 
-    def process_weights_after_loading(self, layer: FusedMoE, batch_size_hint: int) -> None:
+    def process_weights_after_loading(self, layer: FusedMoE,  # noqa: B027 - optional hook, a no-op by default
+                                      batch_size_hint: int) -> None:
         """Turn loaded weights into their compute form (once, after every expert is loaded)."""
 
     @abstractmethod
@@ -110,13 +111,15 @@ class DenseFusedMoEMethod(FusedMoEMethod):
     every size on CPU. Earlier, grouped_mm had beaten the F.linear loop by 10-30% up to 32 tokens; the loop
     serves where neither runs (e.g. float32 on CUDA)."""
 
-    def create_weights(self, layer, num_local_experts, hidden_size, intermediate_size_per_partition, params_dtype) -> None:
+    def create_weights(self, layer, num_local_experts, hidden_size, intermediate_size_per_partition,
+                       params_dtype) -> None:
         e, h, i = num_local_experts, hidden_size, intermediate_size_per_partition
         w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=params_dtype), requires_grad=False)
         w2 = nn.Parameter(torch.empty(e, h, i, dtype=params_dtype), requires_grad=False)
         for param in (w13, w2):
             # [expert, out, in]: the TP slice runs along w13's output dim and w2's input dim.
-            set_weight_attrs(param, {"expert_dim": 0, "output_dim": 1, "input_dim": 2, "weight_loader": layer.weight_loader})
+            set_weight_attrs(param, {"expert_dim": 0, "output_dim": 1, "input_dim": 2,
+                                     "weight_loader": layer.weight_loader})
         layer.register_parameter("w13_weight", w13)
         layer.register_parameter("w2_weight", w2)
 
@@ -178,7 +181,8 @@ class FusedMoE(nn.Module):
             self.intermediate_size_per_partition = intermediate_size
         else:
             self.num_local_experts, self.expert_start = num_experts, 0
-            self.intermediate_size_per_partition = divide(intermediate_size, self.tp_size, f"{prefix} moe_intermediate_size")
+            self.intermediate_size_per_partition = divide(intermediate_size, self.tp_size,
+                                                          f"{prefix} moe_intermediate_size")
         self.expert_parallel = expert_parallel and self.tp_size > 1
         # Each rank holds a slice of every expert's intermediate dim (tensor parallelism without EP).
         self.intermediate_sliced = self.tp_size > 1 and not self.expert_parallel

@@ -16,7 +16,8 @@ from torch import nn
 
 from engine.distributed import get_tp_group
 from engine.models.checkpoint import CheckpointTensor
-from engine.models.layers.quantization import DenseLinearMethod, QuantizationConfig, set_weight_attrs
+from engine.models.layers.quantization.base import QuantizationConfig, set_weight_attrs
+from engine.models.layers.quantization.dense import DenseLinearMethod
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

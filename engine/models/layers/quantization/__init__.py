@@ -5,24 +5,28 @@ an unquantized model; checkpoint formats (gptq, awq, compressed-tensors, fp8) an
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from engine.models.layers.quantization.awq import AWQConfig
 from engine.models.layers.quantization.base import QuantizationConfig, QuantMethod, set_weight_attrs
-from engine.models.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from engine.models.layers.quantization.dense import DenseLinearMethod
-from engine.models.layers.quantization.fp8 import Fp8Config
-from engine.models.layers.quantization.gptq import GPTQConfig
-from engine.models.layers.quantization.online import OnlineQuantConfig
 
-# quant_method of a checkpoint's quantization_config -> its config class
+# quant_method of a checkpoint's quantization_config -> "module:class" of its config, imported when an engine
+# uses it: a format's module (and what it imports, such as the MoE layer) loads only where it runs. A new
+# format adds a line here.
 CHECKPOINT_FORMATS = {
-    "gptq": GPTQConfig,
-    "awq": AWQConfig,
-    "compressed-tensors": CompressedTensorsConfig,
-    "fp8": Fp8Config,
+    "gptq": "engine.models.layers.quantization.gptq:GPTQConfig",
+    "awq": "engine.models.layers.quantization.awq:AWQConfig",
+    "compressed-tensors": "engine.models.layers.quantization.compressed_tensors:CompressedTensorsConfig",
+    "fp8": "engine.models.layers.quantization.fp8:Fp8Config",
 }
 ONLINE_SCHEMES = ("int8", "int4")
+ONLINE_CONFIG = "engine.models.layers.quantization.online_config:OnlineQuantConfig"
+
+
+def _config_class(path: str) -> type[QuantizationConfig]:
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def resolve_quant_config(requested: str | None, checkpoint: dict[str, Any] | None) -> QuantizationConfig | None:
@@ -39,12 +43,12 @@ def resolve_quant_config(requested: str | None, checkpoint: dict[str, Any] | Non
         if method is not None:
             raise ValueError(f"quantization: {requested!r} quantizes a dense checkpoint at load, but this checkpoint "
                              f"is already quantized ({method}); use quantization=None or {method!r}")
-        return OnlineQuantConfig(requested)
+        return _config_class(ONLINE_CONFIG)(requested)
     if requested is not None and requested != method:
         found = f"is in {method!r}" if method else "is not quantized (no quantization_config)"
         raise ValueError(f"quantization: {requested!r} was asked for, but the checkpoint {found}; use "
                          f"quantization={method!r}" + ("" if method else " or an online scheme ('int8', 'int4')"))
-    return CHECKPOINT_FORMATS[method].from_config(checkpoint) if method else None
+    return _config_class(CHECKPOINT_FORMATS[method]).from_config(checkpoint) if method else None
 
 
 __all__ = [

@@ -35,7 +35,8 @@ class QuantMethod(ABC):
         """Register the layer's weight parameters for this rank's partition. `output_partition_sizes`
         holds one size per fused sub-projection (q, k, v; gate, up), already divided across ranks."""
 
-    def process_weights_after_loading(self, layer: nn.Module, batch_size_hint: int) -> None:
+    def process_weights_after_loading(self, layer: nn.Module,  # noqa: B027 - optional hook, a no-op by default
+                                      batch_size_hint: int) -> None:
         """Turn loaded weights into their compute form (once, after every shard is loaded)."""
 
     @abstractmethod

@@ -130,5 +130,6 @@ class CompressedTensorsWNA16Method(WeightOnlyMethod):
         else:
             zeros = unpack_int32(layer.weight_zero_point.data, s.bits, 0).T
         group_size = s.group_size if s.group_size > 0 else layer.input_size
-        g_idx = loaded_g_idx(layer, layer.weight_g_idx, group_size) if s.act_order else contiguous_g_idx(layer, group_size)
+        g_idx = (loaded_g_idx(layer, layer.weight_g_idx, group_size) if s.act_order
+                 else contiguous_g_idx(layer, group_size))
         return QuantizedWeight(unpack_int32(layer.weight_packed.data, s.bits, 1), scales, zeros, g_idx, s.bits)

@@ -19,8 +19,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.layers.quantization.base import QuantizationConfig, QuantMethod
-from engine.models.layers.quantization.weight_only import QuantizedWeight, WeightOnlyMethod, contiguous_g_idx, quant_param
+from engine.models.layers.quantization.weight_only import (
+    QuantizedWeight,
+    WeightOnlyMethod,
+    contiguous_g_idx,
+    quant_param,
+)
 
 INT4_MAX_GROUP = 128
 
@@ -58,27 +62,6 @@ def quantize_int4(weight: torch.Tensor, group_size: int, g_idx: torch.Tensor | N
     scales[first:], zeros[first:] = scale.T, zero.T.to(torch.int32)
     return QuantizedWeight(q, scales, zeros, g_idx, 4)
 
-
-class OnlineQuantConfig(QuantizationConfig):
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethod | None:
-        if ".layers." not in prefix:
-            return None  # decoder projections only
-        # Imported here: the MoE layer's module imports this package.
-        from engine.models.layers.fused_moe import FusedMoE
-        from engine.models.layers.quantization.online_moe import OnlineQuantMoEMethod
-
-        if isinstance(layer, FusedMoE):
-            return OnlineQuantMoEMethod(self.name)
-        if self.name == "int4":
-            group = int4_group_size(layer.input_size)
-            if layer.input_size_per_partition % group:
-                raise ValueError(f"quantization: 'int4' groups {prefix}'s {layer.input_size} inputs by {group}, which "
-                                 f"does not divide the {layer.input_size_per_partition} each rank holds; use another "
-                                 "tensor_parallel_size or 'int8'")
-        return OnlineQuantMethod(self.name)
 
 
 class OnlineQuantMethod(WeightOnlyMethod):

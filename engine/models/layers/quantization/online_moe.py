@@ -26,7 +26,8 @@ class OnlineQuantMoEMethod(FusedMoEMethod):
     def __init__(self, scheme: str) -> None:
         self.scheme = scheme
 
-    def create_weights(self, layer, num_local_experts, hidden_size, intermediate_size_per_partition, params_dtype) -> None:
+    def create_weights(self, layer, num_local_experts, hidden_size, intermediate_size_per_partition,
+                       params_dtype) -> None:
         # The checkpoint is dense: load it as the dense method does, quantize after loading.
         DenseFusedMoEMethod().create_weights(layer, num_local_experts, hidden_size, intermediate_size_per_partition,
                                              params_dtype)
@@ -44,7 +45,8 @@ class OnlineQuantMoEMethod(FusedMoEMethod):
             experts = self._quantize(layer, weight, row_parallel and layer.intermediate_sliced)
             compute = select_compute(experts[0], weight.device)
             if compute == "dense":
-                layer.register_buffer(f"{name}_weight", torch.stack([qw.dequantize().to(weight.dtype) for qw in experts]))
+                layer.register_buffer(f"{name}_weight",
+                                      torch.stack([qw.dequantize().to(weight.dtype) for qw in experts]))
             else:  # the linear layers' kernel form, stacked over experts (contiguous groups: input_perm is None)
                 forms = [kernel_form(qw, compute) for qw in experts]
                 for key, value in forms[0].items():

@@ -19,10 +19,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_transfer import KVConnector
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.kv_transfer.base import KVConnector
 from engine.lora.manager import LoRAManager
-from engine.request import Request, RequestStatus
 from engine.spec_decode.eligibility import can_draft
 
 
@@ -299,7 +299,8 @@ class Scheduler:
         updated = []
         now = time.monotonic()
         self.in_flight.difference_update(r.request_id for r in out.requests)
-        for j, (request, num_tokens, token) in enumerate(zip(out.requests, out.num_scheduled_tokens, sampled_token_ids)):
+        for j, (request, num_tokens, token) in enumerate(zip(out.requests, out.num_scheduled_tokens,
+                                                             sampled_token_ids)):
             if request.is_finished:  # aborted or failed while the step ran
                 request.spec_token_ids = []
                 continue

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import Request
+from engine.core.request import Request
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) over the seed space
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.detokenizer import IncrementalDetokenizer, text_token_ids
+from engine.core.request import Request, RequestStatus
+from engine.frontend.detokenizer import IncrementalDetokenizer, text_token_ids
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepTiming
-from engine.request import Request, RequestStatus
 from engine.sampling_params import RequestOutputKind
 
 
@@ -96,7 +96,8 @@ class OutputProcessor:
         for request_id, indices in touched.items():
             state = self._parents[request_id]
             samples = state.samples
-            finished = samples[0].request.is_finished if len(samples) == 1 else all(s.request.is_finished for s in samples)
+            finished = (samples[0].request.is_finished if len(samples) == 1
+                        else all(s.request.is_finished for s in samples))
             if state.kind is RequestOutputKind.FINAL_ONLY and not finished:
                 continue
             chosen = sorted(set(indices)) if state.kind is RequestOutputKind.DELTA else range(len(state.samples))
@@ -195,7 +196,8 @@ def _take_steps(requests: list[Request]) -> tuple[StepTiming, ...]:
     if not any(r.step_timings for r in requests):
         return ()
     # n > 1: the samples of one step share its timing; one entry per step
-    steps = tuple(sorted({s.start_time: s for r in requests for s in r.step_timings}.values(), key=lambda s: s.start_time))
+    steps = tuple(sorted({s.start_time: s for r in requests for s in r.step_timings}.values(),
+                         key=lambda s: s.start_time))
     for r in requests:
         r.step_timings.clear()
     return steps

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from engine.block_hash import BlockHash
+from engine.core.block_hash import BlockHash
 
 
 @dataclass(slots=True, eq=False)

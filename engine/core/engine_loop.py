@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 
 from engine.config import EngineConfig
 from engine.executor import Rendezvous
-from engine.llm_engine import LLMEngine
+from engine.frontend.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,8 @@ Command = tuple[str, object]
 Event = tuple
 
 
-def run_engine_loop(engine: LLMEngine, next_command: Callable[[float], Command | None], emit: Callable[[Event], None]) -> None:
+def run_engine_loop(engine: LLMEngine, next_command: Callable[[float], Command | None],
+                    emit: Callable[[Event], None]) -> None:
     """Step until a "stop" command; `next_command(timeout)` returns None when nothing came in time.
     Raises on a fatal engine error (after emitting "dead")."""
     summary_version, summary_time = -1, 0.0
@@ -100,8 +101,9 @@ def heap_trimmer(period_s: float = TRIM_PERIOD_S, idle_gap_s: float = 1.0) -> Ca
     return maybe_trim
 
 
-def run_engine_process(config: EngineConfig, rendezvous: Rendezvous | None, commands: Connection, events: Connection) -> None:
-    """Entry point of the engine process (started by engine/processes.py's fork server). A multi-rank
+def run_engine_process(config: EngineConfig, rendezvous: Rendezvous | None, commands: Connection,
+                       events: Connection) -> None:
+    """Entry point of the engine process (started by engine/frontend/processes.py's fork server). A multi-rank
     engine's workers were started by the parent (a daemonic process cannot start processes), which
     hands over where they wait."""
     try:

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
+from engine.frontend.tokenizer import load_tokenizer, max_chars_per_token
 from engine.lora.request import LoRARequest
 from engine.model_spec import check_config, resolve_max_model_len
 from engine.models.config import ModelConfig
 from engine.models.loader import resolve_model_path
 from engine.sampling_params import SamplingParams
 from engine.text_validation import check_text
-from engine.tokenizer import load_tokenizer, max_chars_per_token
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,8 @@ class InputProcessor:
         if self.max_prompt_chars is not None and text_chars(messages) + text_chars(kwargs) > self.max_prompt_chars:
             # Perhaps too long: measure the rendered text (cheap) before tokenizing it. Only then, and
             # not the messages themselves, because a template may leave content out (earlier reasoning).
-            self.check_prompt_length("messages", len(render(tokenize=False)), "the chat prompt (messages, system prompt and tools)")
+            self.check_prompt_length("messages", len(render(tokenize=False)),
+                                     "the chat prompt (messages, system prompt and tools)")
         return list(render(tokenize=True, return_dict=False))
 
     def check_prompt_length(self, param: str, num_chars: int, what: str = "the prompt") -> None:
@@ -123,8 +124,9 @@ class InputProcessor:
         max_model_len tokens, before anyone pays to tokenize it."""
         if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
             raise ValueError(
-                f"{param}: {what} has {num_chars} characters, which cannot fit in max_model_len={self.max_model_len} tokens (one token "
-                f"of this tokenizer covers at most {self.max_prompt_chars // self.max_model_len} characters); "
+                f"{param}: {what} has {num_chars} characters, which cannot fit in max_model_len={self.max_model_len} "
+                f"tokens (one token of this tokenizer covers at most {self.max_prompt_chars // self.max_model_len} "
+                "characters); "
                 "shorten the prompt"
             )
 

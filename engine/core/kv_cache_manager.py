@@ -3,8 +3,8 @@ request, and registering computed blocks in the prefix cache."""
 
 from __future__ import annotations
 
-from engine.block_pool import BlockPool, KVCacheBlock
-from engine.request import Request
+from engine.core.block_pool import BlockPool, KVCacheBlock
+from engine.core.request import Request
 
 
 class KVCacheManager:

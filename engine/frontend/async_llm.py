@@ -1,6 +1,6 @@
 """AsyncLLM: the engine behind an asyncio API, for servers.
 
-The step loop (engine/engine_core.py) runs off the event loop: on a thread of this process, or, with
+The step loop (engine/core/engine_loop.py) runs off the event loop: on a thread of this process, or, with
 `EngineConfig.multiprocess`, in a process of its own (what servers want: it keeps its own GIL). Callers
 never touch engine state: `generate` validates and tokenizes on the caller's thread, then hands the
 request to the loop as a command; outputs come back once per step, and reach each event loop with one
@@ -25,15 +25,15 @@ from dataclasses import dataclass, field, replace
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, text_token_ids
-from engine.engine_core import run_engine_loop, run_engine_process
+from engine.core.engine_loop import run_engine_loop, run_engine_process
 from engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from engine.executor import Rendezvous, WorkerLauncher
-from engine.input_processor import InputProcessor, PreparedRequest
-from engine.llm_engine import LLMEngine
+from engine.frontend.detokenizer import IncrementalDetokenizer, text_token_ids
+from engine.frontend.input_processor import InputProcessor, PreparedRequest
+from engine.frontend.llm_engine import LLMEngine
+from engine.frontend.processes import process_context
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput, merge_deltas
-from engine.processes import process_context
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -1,41 +1,45 @@
-"""LLMEngine: requests in, one scheduled step at a time, RequestOutputs out. Synchronous; `LLM` drives
-it for offline batches and `AsyncLLM` from its engine thread."""
+"""EngineCore: the one owner of each step. It holds the scheduler, the executor and the KV connector, and
+every step reads: schedule -> build the model input -> executor -> sample -> update the scheduler. It
+takes prepared requests and gives back the requests a step advanced (token ids, logprobs, finish status);
+text is made by the frontend (engine/frontend/llm_engine.py), which tells the core which requests a stop
+string ended. Not thread-safe: one thread drives it."""
 
 from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections import deque
 from collections.abc import Iterable
 from concurrent import futures
 
 import numpy as np
 import torch
+from transformers import PreTrainedTokenizerBase
 
-from engine.block_hash import short_hash
-from engine.block_pool import BlockPool
 from engine.config import EngineConfig
+from engine.core.batch_builder import BatchBuilder, StepPlan
+from engine.core.block_hash import short_hash
+from engine.core.block_pool import BlockPool
+from engine.core.block_table import BlockTable
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.errors import WorkerFailedError
-from engine.executor import Rendezvous
+from engine.executor import Rendezvous, create_executor
 from engine.executor.worker import threads_per_rank
-from engine.input_processor import InputProcessor, PreparedRequest, resolve_eos_token_ids
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_transfer.shared_memory import SharedMemoryConnector, kv_layout
+from engine.frontend.input_processor import PreparedRequest
+from engine.kv_transfer.factory import create_kv_connector
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
-from engine.model_runner import LogprobEntry, ModelRunner, ModelRunnerOutput, StepPlan
 from engine.model_spec import ModelSpec
-from engine.output_processor import OutputProcessor
-from engine.outputs import Logprob, RequestOutput, StepTiming
-from engine.request import Request, RequestStatus
-from engine.sampler import sample_seed
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.shm_files import owned_prefix
+from engine.outputs import Logprob, StepTiming
+from engine.sample.sampler import Sampler, sample_seed
+from engine.sample.step_sampler import LogprobEntry, StepOutput, StepSampler
+from engine.spec_decode.draft_proposer import DraftCheckpoint, DraftModelProposer
+from engine.spec_decode.drafter import Drafter
+from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.stats import EngineStats
 from engine.structured_output import StructuredOutputManager
-from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -43,46 +47,51 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 _MAX_FAILED_STEPS = 3  # single-request steps failing in a row before the engine declares itself dead
 
 
-class LLMEngine:
-    """Not thread-safe: one thread drives it (LLM's caller, or AsyncLLM's engine thread); other threads
-    may only call `prepare_request`, `tokenize` and `apply_chat_template`."""
-
-    def __init__(self, config: EngineConfig, rendezvous: Rendezvous | None = None) -> None:
-        """`rendezvous`: workers of a multi-rank engine that a launcher already started (AsyncLLM, the
-        serving app); without it a multi-rank engine spawns its own (`mp`)."""
+class EngineCore:
+    def __init__(self, config: EngineConfig, spec: ModelSpec, tokenizer: PreTrainedTokenizerBase,
+                 eos_token_ids: frozenset[int], rendezvous: Rendezvous | None = None) -> None:
+        """`tokenizer`: for grammars (structured outputs) only. `rendezvous`: workers of a multi-rank engine
+        that a launcher already started (AsyncLLM, the serving app); without it a multi-rank engine spawns
+        its own (`mp`)."""
         self.config = config
-        spec = ModelSpec.resolve(config)
         if config.num_threads is not None or config.world_size > 1:
             torch.set_num_threads(threads_per_rank(config, config.world_size))
         self.model_config = spec.model_config
-        self.dtype = spec.dtype
         self.max_model_len = spec.max_model_len
         self.max_num_batched_tokens = self._resolve_max_num_batched_tokens()
-        self.tokenizer = load_tokenizer(config.tokenizer or spec.path, config.revision if config.tokenizer else None)
-        self.eos_token_ids = resolve_eos_token_ids(self.model_config, self.tokenizer)
-        self.model_runner = ModelRunner(config, spec, rendezvous)
+        self.eos_token_ids = eos_token_ids
+        draft = config.speculative_config
+        # The draft's config is checked before any worker starts; its KV shares the target's block budget.
+        draft_checkpoint = (DraftCheckpoint.resolve(draft.model, spec)
+                            if draft and draft.method == "draft_model" else None)
+        draft_bytes = draft_checkpoint.kv_bytes_per_block(config.block_size, spec.dtype) if draft_checkpoint else 0
+        self.executor = create_executor(config, spec, rendezvous, draft_bytes)
         self.kv_connector = None
         try:  # the workers of a multi-rank engine are up: a failure from here on stops them
-            if config.kv_transfer_config is not None:
-                layout, stages = kv_layout(config, self.model_config, self.dtype)
-                engine_id = owned_prefix("kv") + uuid.uuid4().hex[:12]  # names its staged KV
-                self.kv_connector = SharedMemoryConnector(config.kv_transfer_config, engine_id, layout, config.block_size,
-                                                          self.dtype, layers_per_rank=stages)
-                self.model_runner.kv_connector = self.kv_connector
+            # Every tensor of a step is made on the driver rank's device.
+            device = self.executor.device
+            sampler = Sampler(config.seed, device)
+            block_table = BlockTable(config.max_num_seqs, -(-self.max_model_len // config.block_size))
+            drafter = None
+            if draft_checkpoint is not None:
+                worker = draft_checkpoint.build_worker(config, spec, device, self.executor.num_blocks)
+                drafter = Drafter(model=DraftModelProposer(worker, block_table, config.block_size, sampler.generator))
+            elif draft is not None:
+                drafter = Drafter(ngram=NgramProposer(draft.prompt_lookup_min, draft.prompt_lookup_max))
+            self.kv_connector = create_kv_connector(config, self.model_config, spec.dtype, "scheduler")
             self.lora_manager = None
             if config.enable_lora:
-                executor = self.model_runner.executor
+                executor = self.executor
                 self.lora_manager = LoRAManager(
                     self.model_config, config.max_loras, config.cpu_lora_capacity, config.max_lora_rank,
                     lambda slot, adapter: executor.collective_rpc("load_lora", slot, adapter),
                 )
-            self.scheduler = self._build_scheduler(self.model_runner.num_blocks)
-            self.input_processor = InputProcessor(config, self.model_config, self.tokenizer, self.max_model_len)
-            self.output_processor = OutputProcessor(self.tokenizer)
+            self.scheduler = self._build_scheduler(self.executor.num_blocks)
             self.structured_output = StructuredOutputManager(
-                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids, config.max_num_seqs
+                tokenizer, self.model_config.vocab_size, eos_token_ids, config.max_num_seqs
             )
-            self.model_runner.structured_output = self.structured_output
+            self.batch_builder = BatchBuilder(config, block_table, drafter, self.kv_connector)
+            self.step_sampler = StepSampler(sampler, device, self.model_config.vocab_size, self.structured_output)
         except BaseException:
             self.shutdown()
             raise
@@ -127,17 +136,10 @@ class LLMEngine:
             )
         return value
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return self.input_processor.tokenize(prompt)
+    # --- requests in --------------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
-        return self.input_processor.apply_chat_template(messages, add_generation_prompt, **kwargs)
-
-    def prepare_request(self, *args, **kwargs) -> PreparedRequest:
-        return self.input_processor.prepare_request(*args, **kwargs)
-
-    def add_prepared(self, prepared: PreparedRequest) -> None:
-        """Enqueue a prepared request; engine-thread only."""
+    def add_request(self, prepared: PreparedRequest) -> list[Request]:
+        """Enqueue a prepared request as its n samples (returned, for the frontend's output state)."""
         rid, params = prepared.request_id, prepared.params
         if rid in self._children or (self.kv_connector is not None and self.kv_connector.holds(rid)):
             raise ValueError(f"request_id: {rid!r} is already in flight (or its KV is held for a consumer)")
@@ -164,13 +166,13 @@ class LLMEngine:
             for i in range(params.n)
         ]
         self._children[rid] = children
-        self.output_processor.add_request(rid, prepared.prompt, children)
         if params.structured_outputs is not None:
             # Compiled off the step loop; the scheduler sees the request once its grammar is ready.
             self.structured_output.add(children)
             self._compiling[rid] = children
-            return
-        self._enqueue(rid, children)
+        else:
+            self._enqueue(rid, children)
+        return children
 
     def _resolve_lora(self, lora_request: LoRARequest | None):
         if lora_request is None:
@@ -180,12 +182,10 @@ class LLMEngine:
         return self.lora_manager.resolve(lora_request)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Read an adapter into host memory ahead of its requests (vLLM's add_lora); ValueError if it is bad."""
         self._resolve_lora(lora_request)
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter: a later request with this id reads it from disk again."""
         return self.lora_manager.remove(lora_int_id) if self.lora_manager is not None else False
 
     def list_loras(self) -> set[int]:
@@ -200,17 +200,10 @@ class LLMEngine:
             for child in children[1:]:
                 self.scheduler.add_request(child)
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, **kwargs) -> str:
-        """Validate and enqueue a request; returns its id. The engine state is untouched on error."""
-        prepared = self.prepare_request(prompt, sampling_params, **kwargs)
-        self.add_prepared(prepared)
-        return prepared.request_id
-
-    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
-        """Abort requests by the ids callers know; returns their final outputs. Unknown ids are ignored."""
-        return self._finish([request_ids] if isinstance(request_ids, str) else list(request_ids), RequestStatus.FINISHED_ABORTED)
-
-    def _finish(self, request_ids: list[str], status: RequestStatus, error: str | None = None) -> list[RequestOutput]:
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus,
+                        error: str | None = None) -> list[Request]:
+        """Finish requests by the ids callers know (aborts, failures); returns the samples it finished.
+        Unknown ids are ignored."""
         requests = []
         for rid in request_ids:
             parked = self._parked.pop(rid, []) + self._compiling.pop(rid, [])
@@ -223,7 +216,19 @@ class LLMEngine:
                 else:
                     self.scheduler.finish_requests([child.request_id], status)
                 requests.append(child)
-        return self._emit(requests)
+        return requests
+
+    def stop(self, requests: list[Request]) -> None:
+        """The frontend found a stop string in these samples' text: they end now, with "stop"."""
+        for request in requests:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """These requests' outputs are final: drop what the core keeps of them."""
+        for rid in request_ids:
+            for child in self._children.pop(rid, ()):
+                self.structured_output.release(child)
+            self._parked.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._children) or bool(self._in_flight)  # steps in flight are drained even if aborted
@@ -232,8 +237,10 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self._children)
 
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; returns outputs for the requests it advanced (per their output_kind)."""
+    # --- the step -----------------------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Run one scheduled step; returns the samples it advanced or finished."""
         self.poll_kv_leases()
         compile_failures = self._release_compiled()
         if self._pipeline_depth > 1:
@@ -245,33 +252,42 @@ class LLMEngine:
             return compile_failures
         start = time.monotonic()
         out, failed = self._execute_isolated(so)
-        return compile_failures + self._process(so, out, failed, start)
+        return compile_failures + self._update(so, out, failed, start)
 
-    def _step_pipelined(self) -> list[RequestOutput]:
+    def _execute(self, so: SchedulerOutput) -> StepOutput:
+        plan = self.batch_builder.build(so, self.scheduler.kv_cache_manager)
+        return self._sample(plan, self.executor.execute_model(plan.inp))
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor | None) -> StepOutput:
+        if plan.inp.kv_meta is not None:  # every rank ran the step: its loads are done
+            self.kv_connector.loads_done(plan.inp.kv_meta)
+        return self.step_sampler.sample(plan, logits)
+
+    def _step_pipelined(self) -> list[Request]:
         """Pipeline parallelism: up to pipeline_parallel_size steps in flight. A new step is submitted
         before the oldest is collected, so that the earlier stages compute it while the driver (the last
         stage) finishes the oldest. A step whose sampling fails fails its requests (steps cannot be
         re-run one request at a time while others are in flight); a rank's failure is fatal."""
-        runner, submitted = self.model_runner, False
+        submitted = False
         if len(self._in_flight) < self._pipeline_depth:
             so = self.scheduler.schedule()
             if so.is_empty:
                 if not self._in_flight:
                     self._idle(so)
                     return []
-                runner.release(so.released_request_ids)
+                self.batch_builder.release(so.released_request_ids)
             else:
                 self._num_steps += 1
-                plan = runner.prepare(so, self.scheduler.kv_cache_manager)
-                runner.executor.submit(plan.inp)
+                plan = self.batch_builder.build(so, self.scheduler.kv_cache_manager)
+                self.executor.submit(plan.inp)
                 self._in_flight.append((plan, time.monotonic()))
                 submitted = True
         if not self._in_flight or (submitted and len(self._in_flight) < self._pipeline_depth):
             return []  # room for another step before the oldest must come back
         plan, start = self._in_flight.popleft()
-        logits = runner.executor.collect()
+        logits = self.executor.collect()
         try:
-            return self._process(plan.so, runner.finish(plan, logits), [], start)
+            return self._update(plan.so, self._sample(plan, logits), [], start)
         except WorkerFailedError:
             raise
         except Exception:
@@ -279,15 +295,15 @@ class LLMEngine:
         so = plan.so
         failed = [r.external_id for r in so.requests]
         so.num_scheduled_tokens[:] = [0] * len(so.requests)
-        return self._process(so, ModelRunnerOutput([None] * len(so.requests), [None] * len(so.requests), {}), failed, start)
+        return self._update(so, StepOutput.empty(len(so.requests)), failed, start)
 
     def _idle(self, so: SchedulerOutput) -> None:
-        self.model_runner.release(so.released_request_ids)
+        self.batch_builder.release(so.released_request_ids)
         if self._compiling:  # nothing to run but grammars compiling: wait for one rather than spin
             futures.wait([c[0].grammar.future for c in self._compiling.values()], 0.02, futures.FIRST_COMPLETED)
 
-    def _process(self, so: SchedulerOutput, out: ModelRunnerOutput, failed: list[str], start: float) -> list[RequestOutput]:
-        """Apply a step's results: tokens, logprobs, grammars, failures, stops; the outputs to emit."""
+    def _update(self, so: SchedulerOutput, out: StepOutput, failed: list[str], start: float) -> list[Request]:
+        """Apply a step's results: tokens, logprobs, grammars, failures; the samples it advanced."""
         if self.config.collect_step_timings:
             self._record_step(so, start, time.monotonic())
         for j, entries in out.prompt_logprobs.items():
@@ -301,11 +317,12 @@ class LLMEngine:
                     request.logprobs.append(_logprob_dict(e))
                     request.cumulative_logprob += e[1][0]
         self._advance_grammars(updated)
-        outputs = self._finish(failed, RequestStatus.FINISHED_ERROR, error="the engine failed while running this request")
+        failures = self.finish_requests(failed, RequestStatus.FINISHED_ERROR,
+                                        error="the engine failed while running this request")
         self._release_parked()
-        return outputs + self._emit(updated)
+        return failures + updated
 
-    def _release_compiled(self) -> list[RequestOutput]:
+    def _release_compiled(self) -> list[Request]:
         """Queue the requests whose grammar has compiled; fail those whose compile failed."""
         if not self._compiling:
             return []
@@ -316,7 +333,7 @@ class LLMEngine:
                 continue
             error = state.error()
             if error is not None:
-                failed.extend(self._finish([rid], RequestStatus.FINISHED_ERROR, error=error))
+                failed.extend(self.finish_requests([rid], RequestStatus.FINISHED_ERROR, error=error))
             else:
                 del self._compiling[rid]
                 self._enqueue(rid, children)
@@ -337,37 +354,24 @@ class LLMEngine:
         for request, num_tokens in zip(so.requests, so.num_scheduled_tokens):
             request.step_timings.append(StepTiming(start, end, num_tokens, len(so.requests), batch_tokens))
 
-    def _emit(self, updated: list[Request]) -> list[RequestOutput]:
-        stopped = self.output_processor.detokenize(updated)
-        for request in stopped:
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-        outputs = self.output_processor.make_outputs(updated)
-        for output in outputs:
-            if output.finished:
-                for child in self._children.pop(output.request_id, ()):
-                    self.structured_output.release(child)
-                self._parked.pop(output.request_id, None)
-        return outputs
-
-    def _execute_isolated(self, so: SchedulerOutput) -> tuple[ModelRunnerOutput, list[str]]:
+    def _execute_isolated(self, so: SchedulerOutput) -> tuple[StepOutput, list[str]]:
         """Run the step; if it raises, run each request alone so that only the culprits fail. Raises
         when the engine itself looks broken: every request of a batch fails alone too, or steps of a
         single request keep failing."""
-        kv = self.scheduler.kv_cache_manager
         try:
-            out = self.model_runner.execute(so, kv)
+            out = self._execute(so)
             self._consecutive_failed_steps = 0
             return out, []
         except WorkerFailedError:  # the ranks are out of step: nothing can be retried
             raise
         except Exception:
             logger.exception("step of %d requests failed; retrying them one by one", len(so.requests))
-        merged = ModelRunnerOutput([None] * len(so.requests), [None] * len(so.requests), {})
+        merged = StepOutput.empty(len(so.requests))
         failed, errors = [], []
         for j, (request, n) in enumerate(zip(so.requests, so.num_scheduled_tokens)):
             alone = SchedulerOutput([request], [n])
             try:
-                single = self.model_runner.execute(alone, kv)
+                single = self._execute(alone)
             except WorkerFailedError:
                 raise
             except Exception as e:
@@ -400,6 +404,8 @@ class LLMEngine:
                     self.scheduler.add_request(child, front=True)
                 del self._parked[rid]
 
+    # --- KV held for consumers, health, stats -------------------------------------------------------------
+
     def release_kv(self, request_id: str) -> None:
         """A consumer has the KV this engine produced for `request_id`: its held blocks are freed at the
         next `poll_kv_leases` (the engine loop's next turn)."""
@@ -418,17 +424,17 @@ class LLMEngine:
 
     def check_health(self) -> str | None:
         """Why the engine cannot serve (a worker of a multi-rank engine is gone), or None."""
-        return self.model_runner.executor.check_health()
+        return self.executor.check_health()
 
     def shutdown(self) -> None:
         """Stop the workers of a multi-rank engine (idempotent; a single-rank engine holds none), and
         delete the KV staged for consumers that will not fetch it now."""
         if self.kv_connector is not None:
             self.kv_connector.discard_held()
-        self.model_runner.executor.shutdown()
+        self.executor.shutdown()
 
     def cache_summary(self, max_blocks: int = 65536) -> bytes:
-        """The short hashes (engine/block_hash.py) of the blocks the prefix cache holds, newest last, as
+        """The short hashes (engine/core/block_hash.py) of the blocks the prefix cache holds, newest last, as
         packed uint64: what a router needs to know which prompts this engine could serve from cache."""
         cached = self.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block
         keys = list(cached)[-max_blocks:]
@@ -440,7 +446,7 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         s, kv = self.scheduler, self.scheduler.kv_cache_manager
-        expert_load = getattr(self.model_runner.model, "expert_load", None)  # MoE models count routed tokens
+        expert_load = self.executor.expert_load()  # MoE models count routed tokens
         return EngineStats(
             kv_cache_usage=kv.usage,
             num_running=s.num_running,
@@ -462,7 +468,7 @@ class LLMEngine:
             spec_decode_num_accepted_tokens=s.num_spec_accepted_tokens,
             loaded_loras=tuple(self.lora_manager.loaded_names()) if self.lora_manager is not None else (),
             num_lora_slot_loads=self.lora_manager.num_slot_loads if self.lora_manager is not None else 0,
-            expert_tokens=tuple(expert_load.tolist()) if expert_load is not None else (),
+            expert_tokens=tuple(expert_load) if expert_load is not None else (),
         )
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.frontend.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -46,7 +46,8 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(
-                    f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts; pass one, or one per prompt"
+                    f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts; "
+                    "pass one, or one per prompt"
                 )
         if lora_request is None or isinstance(lora_request, LoRARequest):
             lora_list = [lora_request] * len(prompt_list)

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.block_hash import BlockHash, hash_block_chain
+from engine.core.block_hash import BlockHash, hash_block_chain
 from engine.outputs import PromptLogprobs, SampleLogprobs, StepTiming
 from engine.sampling_params import SamplingParams
 

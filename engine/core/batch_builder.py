@@ -1,0 +1,99 @@
+"""BatchBuilder: the model input of a scheduled step. It flattens the scheduled tokens into one varlen
+batch (decodes first, then by LoRA slot), keeps the persistent block table, asks the drafter for draft
+tokens, adds the KV connector's loads and saves, and notes which logit rows each request samples from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.block_table import BlockTable
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.scheduler import SchedulerOutput
+from engine.executor.model_input import ModelInput
+from engine.kv_transfer.base import KVConnector
+from engine.spec_decode.drafter import Drafter
+
+
+@dataclass
+class StepPlan:
+    """A step between `build` and sampling: its input, and where its logits go."""
+
+    so: SchedulerOutput
+    inp: ModelInput
+    samplers: list[int]  # index in so.requests of each request that samples, in batch order
+    num_sampled: int  # logit rows of the samplers (one per verified position); prompt logprob rows follow
+    prompt_rows: list[tuple[int, int, int, int]]  # (index in so.requests, first position, count, row)
+    draft_probs: dict[int, torch.Tensor]
+
+
+class BatchBuilder:
+    def __init__(self, config: EngineConfig, block_table: BlockTable, drafter: Drafter | None,
+                 kv_connector: KVConnector | None) -> None:
+        self.block_size = config.block_size
+        self.enable_lora = config.enable_lora
+        self.block_table, self.drafter, self.kv_connector = block_table, drafter, kv_connector
+
+    @torch.inference_mode()
+    def build(self, so: SchedulerOutput, kv: KVCacheManager) -> StepPlan:
+        """Draft tokens (speculative decoding), then the step's ModelInput and what to sample from it."""
+        self.release(so.released_request_ids)
+        draft_probs = self.drafter.propose(so, kv) if self.drafter is not None else {}
+        # Decodes first: backends batch the leading single-token sequences together. Then by LoRA slot, so
+        # that each adapter's tokens form few runs (engine/lora/layers.py); without LoRA every slot is -1.
+        order = sorted(range(len(so.requests)),
+                       key=lambda j: (so.num_scheduled_tokens[j] != 1, so.requests[j].lora_slot))
+        input_ids: list[int] = []
+        starts, q_lens, rows, widths = [], [], [], []
+        samplers: list[int] = []  # index in so.requests of each request that samples, in batch order
+        logit_rows: list[int] = []  # flat token rows whose logits are needed: samplers first
+        prompt_rows: list[tuple[int, int, int, int]] = []  # (index in so.requests, first position, count, row)
+        num_tokens = 0
+        for j in order:
+            request, n = so.requests[j], so.num_scheduled_tokens[j]
+            start = request.num_computed_tokens
+            drafts = request.spec_token_ids
+            if n == 1:
+                input_ids.append(request.all_token_ids[start])
+            else:
+                input_ids.extend(request.all_token_ids[start : start + n])
+                input_ids.extend(drafts)
+            starts.append(start)
+            q_lens.append(n)
+            row, width = self.block_table.sync(request.request_id, kv.get_block_ids(request))
+            rows.append(row)
+            widths.append(width)
+            if start + n == request.num_tokens + len(drafts):
+                samplers.append(j)
+                if drafts:  # every verified position: the last token's and each draft's
+                    logit_rows.extend(range(num_tokens + n - 1 - len(drafts), num_tokens + n))
+                else:
+                    logit_rows.append(num_tokens + n - 1)
+            if request.wants_prompt_logprobs:
+                # Position p predicts prompt token p + 1; skip positions already done before a preemption.
+                first = max(start, len(request.prompt_logprobs) - 1)
+                last = min(start + n, request.num_prompt_tokens - 1)
+                if last > first:
+                    prompt_rows.append((j, first, last - first, num_tokens + first - start))
+            num_tokens += n
+        num_sampled = len(logit_rows)
+        for _, _, count, row in prompt_rows:
+            logit_rows.extend(range(row, row + count))
+
+        lora_slots = [so.requests[j].lora_slot for j in order] if self.enable_lora else None
+        inp = ModelInput.build(input_ids, starts, q_lens, self.block_table.table[rows, : max(widths)], self.block_size,
+                               logit_rows, lora_slots)
+        if self.kv_connector is not None:
+            meta = self.kv_connector.build_connector_meta(so.requests, so.num_scheduled_tokens,
+                                                          [kv.get_block_ids(r) for r in so.requests])
+            inp.kv_meta = meta or None
+        return StepPlan(so, inp, samplers, num_sampled, prompt_rows, draft_probs)
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget per-request state of requests that left the running set."""
+        for request_id in request_ids:
+            self.block_table.release(request_id)
+        if self.drafter is not None:
+            self.drafter.release(request_ids)

@@ -1,0 +1,29 @@
+"""OnlineQuantConfig (`EngineConfig.quantization`: int8 or int4 on a dense checkpoint): which method each layer
+gets: online.py's for the decoder's linear projections, online_moe.py's for expert layers; none elsewhere."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from engine.models.layers.fused_moe import FusedMoE
+from engine.models.layers.quantization.base import QuantizationConfig, QuantMethod
+from engine.models.layers.quantization.online import OnlineQuantMethod, int4_group_size
+from engine.models.layers.quantization.online_moe import OnlineQuantMoEMethod
+
+
+class OnlineQuantConfig(QuantizationConfig):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethod | None:
+        if ".layers." not in prefix:
+            return None  # decoder projections only
+        if isinstance(layer, FusedMoE):
+            return OnlineQuantMoEMethod(self.name)
+        if self.name == "int4":
+            group = int4_group_size(layer.input_size)
+            if layer.input_size_per_partition % group:
+                raise ValueError(f"quantization: 'int4' groups {prefix}'s {layer.input_size} inputs by {group}, which "
+                                 f"does not divide the {layer.input_size_per_partition} each rank holds; use another "
+                                 "tensor_parallel_size or 'int8'")
+        return OnlineQuantMethod(self.name)
