@@ -1,5 +1,5 @@
 """The Anthropic Messages routes (`POST /v1/messages`, `/v1/messages/count_tokens`): their logic on top
-of OpenAIServing (the same processor, chat template, sampling-parameter checks, EngineRequests and
+of OpenAIServing (the same processor, chat template, sampling-parameter checks, PreparedRequests and
 engine streams), and their HTTP routes with Anthropic's server-sent events.
 
 An Anthropic request becomes the equivalent ChatCompletionRequest (the system prompt as a "system"

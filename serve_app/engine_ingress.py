@@ -11,9 +11,9 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from ray import serve
 
+from engine.core.prepared_request import PreparedRequest
 from engine.outputs import RequestOutput
 from serve_app.app_args import AppArgs
-from serve_app.engine_request import EngineRequest
 from serve_app.ingress import OpenAIFrontend
 from serve_app.llm_server import LLMServer
 
@@ -45,7 +45,7 @@ class _LocalEngine:
     def options(self, **_) -> _LocalEngine:
         return self
 
-    def remote(self, request: EngineRequest) -> _LocalStream:
+    def remote(self, request: PreparedRequest) -> _LocalStream:
         return _LocalStream(self._server.generate(request))
 
 

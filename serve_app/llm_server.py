@@ -20,6 +20,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from engine.config import EngineConfig
+from engine.core.prepared_request import PreparedRequest
 from engine.frontend.async_llm import AsyncLLM
 from engine.kv_transfer import KVTransferConfig
 from engine.outputs import RequestOutput, StepTiming
@@ -28,7 +29,6 @@ from serve_app import replica_context, tracing
 from serve_app.cpu_utilization import CpuUtilization
 from serve_app.disaggregation.orchestrator import PDSettings, PrefillOrchestrator
 from serve_app.disaggregation.transfer import KVFetchRequest, KVFetchResult, PrefillResult, put_staged
-from serve_app.engine_request import EngineRequest
 from serve_app.metrics import DisaggregationMetrics, EngineMetrics, RecentTTFT
 from serve_app.ray_workers import RayWorkerLauncher
 
@@ -97,7 +97,7 @@ class LLMServer:
         self._cpu_task = asyncio.get_event_loop().create_task(self._watch_cpu())
         self._engine_task = asyncio.get_event_loop().create_task(self._watch_engine())
 
-    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(self, request: PreparedRequest) -> AsyncGenerator[RequestOutput, None]:
         """Stream delta RequestOutputs, one message per engine step that advanced the request: a token
         leaves as soon as the engine made it. Tokens travel together only when this stream's consumer
         lags (AsyncLLM merges the deltas that queued up meanwhile) or the CPU is saturated (StreamPacing:
@@ -115,15 +115,8 @@ class LLMServer:
             if self.pd is not None:  # decode pool: prefill on the prefill pool when that pays
                 with trace.use_span(request_trace.span, end_on_exit=False) if request_trace else nullcontext():
                     remote = await self.pd.remote_kv(request)
-            async for output in self.llm.generate(
-                request.prompt_token_ids,
-                request.sampling_params,
-                request_id=request.request_id,
-                priority=request.priority,
-                cache_salt=request.cache_salt,
-                kv_transfer_params=remote.kv_transfer_params if remote is not None else None,
-                lora_request=request.lora_request,
-            ):
+            prepared = dataclasses.replace(request, kv_transfer_params=remote.kv_transfer_params) if remote else request
+            async for output in self.llm.generate(prepared):  # prepared by the ingress: not again
                 if remote is not None:  # the prompt's cache hits happened on the prefill replica
                     output.num_cached_tokens = max(output.num_cached_tokens, remote.cached_tokens)
                 self.metrics.observe(output)
@@ -145,15 +138,12 @@ class LLMServer:
             if request_trace is not None:
                 request_trace.end()
 
-    async def prefill(self, request: EngineRequest) -> PrefillResult:
+    async def prefill(self, request: PreparedRequest) -> PrefillResult:
         """Prefill pool: compute the prompt's KV (and one token, thrown away) and hold it for the decode
         replica that asked, under the engine's lease, until it fetches it."""
         final = None
-        async for output in self.llm.generate(request.prompt_token_ids, request.sampling_params,
-                                              request_id=request.request_id, priority=request.priority,
-                                              cache_salt=request.cache_salt,
-                                              kv_transfer_params={"do_remote_decode": True},
-                                              lora_request=request.lora_request):
+        producing = dataclasses.replace(request, kv_transfer_params={"do_remote_decode": True})
+        async for output in self.llm.generate(producing):
             final = output
             self.metrics.observe(output)
             self.ttft.observe(output)
@@ -272,9 +262,9 @@ class LLMServer:
 
 class _RequestTrace:
     """The replica's `llm_request` span of one request (vLLM's name and gen_ai.* attributes), child of
-    the ingress span carried in the EngineRequest. Its timeline comes from the engine's own timestamps."""
+    the ingress span carried in the PreparedRequest. Its timeline comes from the engine's own timestamps."""
 
-    def __init__(self, server: LLMServer, request: EngineRequest) -> None:
+    def __init__(self, server: LLMServer, request: PreparedRequest) -> None:
         params = request.sampling_params
         self.server, self.request = server, request
         lora = request.lora_request

@@ -1,7 +1,7 @@
 """The adapter registry: which LoRA adapters the app serves, as (name, lora_int_id, path, digest).
 
 Every ingress replica holds one and resolves the `model` of each request through it: the adapter's
-LoRARequest travels in the EngineRequest, and its digest enters the prompt's block hashes, so that the
+LoRARequest travels in the PreparedRequest, and its digest enters the prompt's block hashes, so that the
 router and the replica's prefix cache speak of the same blocks (engine/core/block_hash.py). Engine replicas
 need nothing else: they load the adapter from the request's path, and report what they hold.
 

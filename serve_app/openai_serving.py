@@ -1,4 +1,4 @@
-"""The OpenAI routes' logic, independent of HTTP: turns requests into EngineRequests, streams them from
+"""The OpenAI routes' logic, independent of HTTP: turns requests into PreparedRequests, streams them from
 the engine replicas, and shapes the deltas into OpenAI responses or stream chunks. The HTTP layer and
 Python callers holding a DeploymentHandle to the ingress share it."""
 
@@ -12,13 +12,12 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.core.block_hash import hash_block_chain
+from engine.core.prepared_request import PreparedRequest
 from engine.frontend.input_processor import InputProcessor, text_chars
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from serve_app import tracing
 from serve_app.chat_tools import ChoiceTools, ToolPlan, plan_tools
-from serve_app.engine_request import EngineRequest
 from serve_app.errors import APIError, from_exception
 from serve_app.formats import FormatValidator, requested_format
 from serve_app.lora_registry import AdapterEntry, AdapterNotFound, LoRARegistry
@@ -108,7 +107,6 @@ class OpenAIServing:
         self._adapter_handles: dict[str, object] = {}
         self.tokenizer = processor.tokenizer
         self.model_name = served_model_name
-        self.block_size = processor.config.block_size
         self.engine = engine  # DeploymentHandle to LLMServer, with stream=True
         self.tool_parser = get_tool_parser(tool_call_parser, self.tokenizer.chat_template)
         self.formats = FormatValidator(processor)
@@ -184,26 +182,17 @@ class OpenAIServing:
             raise from_exception(e) from e
 
     def engine_request(self, request_id: str, prompt: _Prompt, params: SamplingParams,
-                       req: SamplingFields) -> EngineRequest:
+                       req: SamplingFields) -> PreparedRequest:
         adapter = self.check_model(req.model)
         try:
-            prepared = self.processor.prepare_request(prompt.token_ids, params, request_id, priority=req.priority,
-                                                      cache_salt=req.cache_salt)
+            return self.processor.prepare_request(
+                prompt.token_ids, params, request_id, priority=req.priority, cache_salt=req.cache_salt,
+                lora_request=adapter.lora_request() if adapter is not None else None,
+                lora_digest=adapter.digest if adapter is not None else None, trace_context=tracing.inject())
         except ValueError as e:
             raise from_exception(e) from e
-        return EngineRequest(
-            request_id=request_id,
-            prompt_token_ids=prepared.prompt_token_ids,
-            sampling_params=params,
-            block_hashes=hash_block_chain(prepared.prompt_token_ids, self.block_size, req.cache_salt,
-                                          lora_digest=adapter.digest if adapter is not None else None),
-            priority=req.priority,
-            cache_salt=req.cache_salt,
-            trace_context=tracing.inject(),
-            lora_request=adapter.lora_request() if adapter is not None else None,
-        )
 
-    def _engine_for(self, request: EngineRequest):
+    def _engine_for(self, request: PreparedRequest):
         """The engine handle for a request: an adapter's carries Ray Serve's multiplexed_model_id (the
         adapter's name), which tags the call in Serve's request context and logs; the prefix router ranks
         replicas by the adapters they report holding (serve_app/routing)."""
@@ -217,7 +206,7 @@ class OpenAIServing:
             handle = self._adapter_handles[name] = self.engine.options(multiplexed_model_id=name)
         return handle
 
-    async def _stream(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _stream(self, requests: list[PreparedRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Deltas of several engine requests as they come, tagged with each one's index. Closing or
         cancelling this iterator cancels the engine calls, which abort their requests."""
         if len(requests) == 1:
@@ -233,7 +222,7 @@ class OpenAIServing:
             return
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, request: EngineRequest) -> None:
+        async def pump(i: int, request: PreparedRequest) -> None:
             _own_internal_request_id()  # this task's context is a copy: the change stays in it
             try:
                 async for output in self._engine_for(request).generate.remote(request):

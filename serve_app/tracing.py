@@ -5,7 +5,7 @@ and the standard OTEL_* environment variables (explicit config wins). With the e
 default) nothing is installed and every helper here returns at once: tracing costs nothing.
 
 The W3C context travels: extracted from the HTTP request's traceparent/tracestate (a new trace when
-absent), injected into EngineRequest.trace_context, restored in the replica. Spans:
+absent), injected into PreparedRequest.trace_context, restored in the replica. Spans:
   ingress   "<METHOD> <route>" (SERVER) > "tokenize", "route" (our prefix router's decision)
   replica   "llm_request" (SERVER; vLLM's name), with events queued/scheduled/first_token/preempted/
             finished and gen_ai.* attributes; "engine_step" spans in detailed mode.

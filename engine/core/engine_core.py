@@ -18,16 +18,16 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
 from engine.core.batch_builder import BatchBuilder, StepPlan
-from engine.core.block_hash import short_hash
+from engine.core.block_hash import hash_block_chain, short_hash
 from engine.core.block_pool import BlockPool
 from engine.core.block_table import BlockTable
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.prepared_request import PreparedRequest
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.errors import WorkerFailedError
 from engine.executor import Rendezvous, create_executor
 from engine.executor.worker import threads_per_rank
-from engine.frontend.input_processor import PreparedRequest
 from engine.kv_transfer.factory import create_kv_connector
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
@@ -140,11 +140,18 @@ class EngineCore:
 
     def add_request(self, prepared: PreparedRequest) -> list[Request]:
         """Enqueue a prepared request as its n samples (returned, for the frontend's output state)."""
-        rid, params = prepared.request_id, prepared.params
+        rid, params = prepared.request_id, prepared.sampling_params
         if rid in self._children or (self.kv_connector is not None and self.kv_connector.holds(rid)):
             raise ValueError(f"request_id: {rid!r} is already in flight (or its KV is held for a consumer)")
         room = self.max_model_len - len(prepared.prompt_token_ids)
         adapter = self._resolve_lora(prepared.lora_request)
+        hashes = prepared.block_hashes
+        digest = adapter.digest if adapter is not None else None
+        num_blocks = len(prepared.prompt_token_ids) // self.config.block_size
+        if hashes is None or prepared.lora_digest != digest or len(hashes) != num_blocks:
+            # Hashed under another adapter's weights (or not at all): the prefix cache must not mix them.
+            hashes = hash_block_chain(prepared.prompt_token_ids, self.config.block_size, prepared.cache_salt,
+                                      lora_digest=digest)
         children = [
             Request(
                 request_id=rid if params.n == 1 else f"{rid}#{i}",
@@ -162,6 +169,7 @@ class EngineCore:
                 # The first sample loads or produces the prompt's KV; its siblings share it (prefix cache).
                 kv_transfer_params=prepared.kv_transfer_params if i == 0 else None,
                 lora=adapter,
+                block_hashes=hashes,  # one list for every sample: a sample extends it into a new list
             )
             for i in range(params.n)
         ]

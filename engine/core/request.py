@@ -67,7 +67,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit in tokens, set when first scheduled
     num_preemptions: int = 0
-    block_hashes: list[BlockHash] = field(init=False)
+    # The full blocks' hashes (engine/core/block_hash.py), extended as output fills blocks; given by the
+    # request's preparation (computed here when not), and shared by a request's samples until they diverge.
+    block_hashes: list[BlockHash] | None = None
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float = 0.0
     prompt_logprobs: PromptLogprobs | None = None
@@ -88,8 +90,9 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        self.block_hashes = hash_block_chain(self.all_token_ids, self.block_size, self.cache_salt,
-                                             lora_digest=self.lora_digest)
+        if self.block_hashes is None:
+            self.block_hashes = hash_block_chain(self.all_token_ids, self.block_size, self.cache_salt,
+                                                 lora_digest=self.lora_digest)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
         if self.sampling_params.prompt_logprobs is not None:

@@ -18,6 +18,7 @@ import gc
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
@@ -26,10 +27,11 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
 from engine.core.engine_loop import run_engine_loop, run_engine_process
+from engine.core.prepared_request import PreparedRequest
 from engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from engine.executor import Rendezvous, WorkerLauncher
 from engine.frontend.detokenizer import IncrementalDetokenizer, text_token_ids
-from engine.frontend.input_processor import InputProcessor, PreparedRequest
+from engine.frontend.input_processor import InputProcessor
 from engine.frontend.llm_engine import LLMEngine
 from engine.frontend.processes import process_context
 from engine.lora.request import LoRARequest
@@ -206,7 +208,7 @@ class AsyncLLM:
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | PreparedRequest,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
@@ -218,21 +220,33 @@ class AsyncLLM:
         `sampling_params.output_kind` says otherwise; the last one has `finished` set. Raises ValueError
         for bad input, EngineOverloadedError when the waiting queue is full, EngineDeadError after a
         fatal error, RequestFailedError if this request fails. Cancelling the consumer aborts it.
-        `lora_request`: the adapter to run with (a bad adapter raises ValueError, the engine goes on)."""
+        `lora_request`: the adapter to run with (a bad adapter raises ValueError, the engine goes on).
+        `prompt` may be a PreparedRequest (an ingress validated, tokenized and hashed it): it is taken as it
+        is, with none of the other arguments."""
         if self._dead is not None:
             raise self._dead
-        params = sampling_params or SamplingParams()
-        if "output_kind" not in params.model_fields_set:
-            params = params.model_copy(update={"output_kind": RequestOutputKind.DELTA})
-        request_id = request_id if request_id is not None else uuid.uuid4().hex
-        prepared = self.processor.prepare_request(prompt, params, request_id, priority=priority, cache_salt=cache_salt,
-                                                  kv_transfer_params=kv_transfer_params,
-                                                  lora_request=lora_request)
+        if isinstance(prompt, PreparedRequest):
+            given = (sampling_params, request_id, priority, cache_salt, kv_transfer_params, lora_request)
+            if given != (None, None, 0, None, None, None):
+                raise ValueError("prompt: a PreparedRequest carries its own parameters; pass it alone")
+            params = _deltas_by_default(prompt.sampling_params)
+            request_id = prompt.request_id
+            # arrival_time is a monotonic clock's reading, meaningless in another process or on another host.
+            prepared = replace(prompt, sampling_params=params, arrival_time=time.monotonic())
+        else:
+            params = sampling_params or SamplingParams()
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+            params = _deltas_by_default(params)
+            request_id = request_id if request_id is not None else uuid.uuid4().hex
+            prepared = self.processor.prepare_request(prompt, params, request_id, priority=priority,
+                                                      cache_salt=cache_salt, kv_transfer_params=kv_transfer_params,
+                                                      lora_request=lora_request)
         stream = _Stream(asyncio.get_running_loop(), params.output_kind is RequestOutputKind.DELTA, prepared.prompt,
                          prepared.prompt_token_ids)
         if self.engine is None and _StreamText.applies(params):
             stream.text = _StreamText(self.tokenizer, prepared.prompt_token_ids, params)
-            prepared = replace(prepared, params=params.model_copy(update={"detokenize": False}))
+            prepared = replace(prepared, sampling_params=params.model_copy(update={"detokenize": False}))
         self._register(prepared, stream)
         try:
             while True:
@@ -375,3 +389,10 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
         pass
+
+
+def _deltas_by_default(params: SamplingParams) -> SamplingParams:
+    """A stream sends deltas unless its caller chose another output_kind."""
+    if "output_kind" in params.model_fields_set:
+        return params
+    return params.model_copy(update={"output_kind": RequestOutputKind.DELTA})

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
+from engine.core.block_hash import hash_block_chain
+from engine.core.prepared_request import PreparedRequest
 from engine.frontend.tokenizer import load_tokenizer, max_chars_per_token
 from engine.lora.request import LoRARequest
 from engine.model_spec import check_config, resolve_max_model_len
@@ -18,21 +19,6 @@ from engine.models.config import ModelConfig
 from engine.models.loader import resolve_model_path
 from engine.sampling_params import SamplingParams
 from engine.text_validation import check_text
-
-
-@dataclass(frozen=True)
-class PreparedRequest:
-    """A validated, tokenized request, ready for `LLMEngine.add_prepared`."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    priority: int
-    cache_salt: str | None
-    kv_transfer_params: dict | None = None  # engine/kv_transfer: produce KV for, or load it from, another engine
-    lora_request: LoRARequest | None = None
 
 
 def resolve_eos_token_ids(model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
@@ -140,9 +126,13 @@ class InputProcessor:
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
         lora_request: LoRARequest | None = None,
+        lora_digest: str | None = None,
+        trace_context: dict[str, str] | None = None,
     ) -> PreparedRequest:
-        """Validate and tokenize a request without touching engine state, so that any thread may call
-        it. Raises ValueError naming the bad parameter."""
+        """Validate and tokenize a request, and hash its prompt's blocks, without touching engine state, so
+        that any thread may call it. `lora_digest`: the adapter's weight digest where the caller knows it
+        (an ingress's registry); the hashes then need no recomputing. Raises ValueError naming the bad
+        parameter."""
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
@@ -166,14 +156,19 @@ class InputProcessor:
                 raise ValueError(f"lora_request: expected a LoRARequest, got {type(lora_request).__name__}")
             if not self.config.enable_lora:
                 raise ValueError("lora_request: this engine was started without enable_lora=True")
+        elif lora_digest is not None:
+            raise ValueError("lora_digest: given without a lora_request")
         return PreparedRequest(
             request_id=request_id if request_id is not None else f"req-{next(self._request_counter)}",
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=token_ids,
-            params=params,
+            sampling_params=params,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             priority=priority,
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
             lora_request=lora_request,
+            block_hashes=hash_block_chain(token_ids, self.config.block_size, cache_salt, lora_digest=lora_digest),
+            lora_digest=lora_digest,
+            trace_context=trace_context or {},
         )

@@ -9,9 +9,10 @@ from collections.abc import Iterable
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
+from engine.core.prepared_request import PreparedRequest
 from engine.core.request import Request, RequestStatus
 from engine.executor import Rendezvous
-from engine.frontend.input_processor import InputProcessor, PreparedRequest, resolve_eos_token_ids
+from engine.frontend.input_processor import InputProcessor, resolve_eos_token_ids
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.tokenizer import load_tokenizer
 from engine.lora.request import LoRARequest

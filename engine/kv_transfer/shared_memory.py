@@ -58,7 +58,7 @@ class SharedMemoryConnector(KVConnector):
         self.produces = config.kv_role in ("kv_producer", "kv_both")
         self.consumes = config.kv_role in ("kv_consumer", "kv_both")
         # Loads scheduled but not yet done, by request: a step that fails is retried request by request
-        # (LLMEngine._execute_isolated), and each retry must load its request's KV again.
+        # (EngineCore._execute_isolated), and each retry must load its request's KV again.
         self._pending_loads: dict[str, KVLoad] = {}
         self._held: dict[str, tuple[Request, float, str]] = {}  # request id -> (request, lease end, staged name)
         self._released: set[str] = set()

@@ -54,7 +54,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.kv_cache = torch.empty(0)  # bound by the model runner
+        self.kv_cache = torch.empty(0)  # bound by the worker (Worker.init_kv_cache)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         n = x.shape[0]

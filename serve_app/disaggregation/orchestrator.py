@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
 from ray import serve
@@ -27,6 +27,7 @@ from ray.exceptions import RayError
 from ray.serve._private.constants import SERVE_NAMESPACE
 from ray.serve.exceptions import RayServeException
 
+from engine.core.prepared_request import PreparedRequest
 from engine.sampling_params import SamplingParams
 from engine.shm_files import owned_prefix
 from serve_app import tracing
@@ -37,7 +38,6 @@ from serve_app.disaggregation.transfer import (
     discard_staged,
     write_staged,
 )
-from serve_app.engine_request import EngineRequest
 from serve_app.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -75,16 +75,14 @@ class PrefillOrchestrator:
         self.release = prefill_handle.options(method_name="release_kv")
         self.settings, self.metrics = settings, metrics
 
-    async def remote_kv(self, request: EngineRequest) -> RemoteKV | None:
+    async def remote_kv(self, request: PreparedRequest) -> RemoteKV | None:
         """Prefill the request on the prefill pool and bring its KV here; None: prefill it locally."""
         s = self.settings
         if request.sampling_params.prompt_logprobs is not None:  # needs every prompt position's logits here
             self.metrics.local_prefill("ineligible")
             return None
-        prefill = EngineRequest(f"{request.request_id}-prefill-{uuid.uuid4().hex}", request.prompt_token_ids,
-                                SamplingParams(max_tokens=1, temperature=0.0), request.block_hashes,
-                                request.priority, request.cache_salt, request.trace_context,
-                                lora_request=request.lora_request)
+        prefill = replace(request, request_id=f"{request.request_id}-prefill-{uuid.uuid4().hex}",
+                          sampling_params=SamplingParams(max_tokens=1, temperature=0.0), routed_matched_blocks={})
         result = None
         try:
             with tracing.span("prefill", **{"pagedserve.prefill.prompt_tokens": len(request.prompt_token_ids)}) as span:
@@ -146,7 +144,7 @@ class PrefillOrchestrator:
             write.add_done_callback(lambda _: discard_staged(name, len(arrays), s.staging_dir))
             raise
 
-    def _failed(self, request: EngineRequest, error: BaseException, result: PrefillResult | None) -> None:
+    def _failed(self, request: PreparedRequest, error: BaseException, result: PrefillResult | None) -> None:
         if result is not None:
             self.release.remote(KVFetchRequest(result.replica_id, result.request_id))
         why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"

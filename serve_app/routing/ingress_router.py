@@ -15,9 +15,9 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from engine.core.prepared_request import PreparedRequest
 from engine.sampling_params import SamplingParams
 from serve_app.app_args import AppArgs
-from serve_app.engine_request import EngineRequest
 from serve_app.errors import APIError
 from serve_app.ingress import OpenAIFrontend
 from serve_app.protocol.anthropic import MessagesRequest
@@ -49,7 +49,7 @@ class IngressRouter:
             raise HTTPException(503, f"engine replica {selection.replica_id} serves no HTTP")
         return {"host": endpoint[0], "port": endpoint[1], "replica_id": replica.replica_id.to_full_id_str()}
 
-    async def engine_request(self, body: bytes) -> EngineRequest | None:
+    async def engine_request(self, body: bytes) -> PreparedRequest | None:
         """What OpenAIIngress would send an engine replica for this body, as far as routing reads it (block
         hashes, adapter); None when it is not a request we can read."""
         try:

@@ -1,5 +1,5 @@
 """The Ray Serve adapter of the prefix router: a RequestRouter on the LLMServer deployment that hands
-the request's block hashes (the EngineRequest, the call's first argument) and the replicas' routing
+the request's block hashes (the PreparedRequest, the call's first argument) and the replicas' routing
 stats to the pure core (prefix_policy.py), and returns its ranking as singleton ranks, so that Serve
 falls through to the next choice when one replica is full."""
 
@@ -10,9 +10,9 @@ import time
 import numpy as np
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from engine.core.prepared_request import PreparedRequest
 from serve_app import tracing
 from serve_app.disaggregation.transfer import KVFetchRequest
-from serve_app.engine_request import EngineRequest
 from serve_app.routing.prefix_policy import PrefixRouterConfig, PrefixRouterPolicy, ReplicaLoad
 
 # choose_replica's keyword when the caller only picks and HAProxy forwards the request (IngressRouter):
@@ -58,14 +58,14 @@ class PrefixRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if isinstance(request, KVFetchRequest):  # pinned: only the replica holding the KV can answer
             return [[by_id[request.replica_id]]] if request.replica_id in by_id else []
-        hashes = request.block_hashes if isinstance(request, EngineRequest) else []
+        hashes = request.block_hashes if isinstance(request, PreparedRequest) else []
         adapter = _adapter(request)
         now = time.time()
         decision = self.policy.route(hashes, [self._load(r, now) for r in candidate_replicas], now, adapter)
-        if isinstance(request, EngineRequest):
+        if isinstance(request, PreparedRequest):
             request.routed_matched_blocks = decision.matched_by_replica
         tracer = tracing.tracer()
-        if tracer is not None and isinstance(request, EngineRequest):
+        if tracer is not None and isinstance(request, PreparedRequest):
             tracer.start_span("route", context=tracing.extract(request.trace_context), attributes={
                 "pagedserve.route.policy": "prefix", "pagedserve.route.replica": decision.ranked[0],
                 "pagedserve.route.matched_blocks": decision.matched_blocks, "pagedserve.route.reason": decision.reason,
@@ -78,7 +78,7 @@ class PrefixRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         request = pending_request.args[0] if pending_request.args else None
-        hashes = request.block_hashes if isinstance(request, EngineRequest) else []
+        hashes = request.block_hashes if isinstance(request, PreparedRequest) else []
         self.policy.record(hashes, replica_id.unique_id, time.time(), _adapter(request))
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
@@ -92,5 +92,5 @@ class PrefixRouter(RequestRouter):
 
 def _adapter(request) -> str | None:
     """The LoRA adapter a request names (the ingress also sets it as Serve's multiplexed_model_id)."""
-    lora = request.lora_request if isinstance(request, EngineRequest) else None
+    lora = request.lora_request if isinstance(request, PreparedRequest) else None
     return lora.lora_name if lora is not None else None

@@ -224,7 +224,7 @@ def test_scheduler_reserves_draft_slots_within_budget_and_rolls_back():
     assert so.num_scheduled_tokens == [5, 5, 2]  # r2: max_tokens 3 leaves room for one draft
     assert len(kv.req_to_blocks["r0"]) == 4 and len(kv.req_to_blocks["r1"]) == 4
     r0.spec_token_ids, r1.spec_token_ids, r2.spec_token_ids = [50, 51, 52, 53], [], [40]
-    so.num_scheduled_tokens[1] = 1  # the model runner trims slots the proposer found no drafts for
+    so.num_scheduled_tokens[1] = 1  # the drafter trims slots the proposer found no drafts for
     sched.update_from_output(so, [77, 76, 97], {0: 0, 2: 1})
     assert r0.num_computed_tokens == 10 and r0.all_token_ids[-2:] == [99, 77]  # every draft rejected
     assert r1.num_computed_tokens == 11

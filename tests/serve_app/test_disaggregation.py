@@ -210,12 +210,12 @@ def test_a_failed_write_leaves_no_staged_file(tmp_path):
 def _prefill_only(prompt_ids: list[int]) -> None:
     """Prefill a prompt on the prefill replica alone (its KV released at once, its blocks left cached there)."""
     from engine.core.block_hash import hash_block_chain
+    from engine.core.prepared_request import PreparedRequest
     from engine.sampling_params import SamplingParams
     from serve_app.disaggregation.transfer import KVFetchRequest
-    from serve_app.engine_request import EngineRequest
 
-    request = EngineRequest(f"warm-{uuid.uuid4().hex}", prompt_ids, SamplingParams(max_tokens=1, temperature=0),
-                            hash_block_chain(prompt_ids, 16))
+    request = PreparedRequest(f"warm-{uuid.uuid4().hex}", None, prompt_ids, SamplingParams(max_tokens=1, temperature=0),
+                              time.monotonic(), block_hashes=hash_block_chain(prompt_ids, 16))
     result = _handle("PrefillServer").prefill.remote(request).result()
     _handle("PrefillServer").release_kv.remote(KVFetchRequest(result.replica_id, result.request_id)).result()
 
