@@ -20,19 +20,17 @@ template as assistant `tool_calls` and `tool` messages."""
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI
-from fastapi.responses import StreamingResponse
 
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind
 from serve_app.chat_tools import ChoiceTools, plan_tools
 from serve_app.errors import APIError, from_exception
 from serve_app.http_api import json_response
-from serve_app.openai_serving import OpenAIServing, _Tally
+from serve_app.openai_serving import OpenAIServing, UsageTally
 from serve_app.protocol.anthropic import (
     AnthropicErrorResponse,
     Conversation,
@@ -51,8 +49,7 @@ from serve_app.protocol.anthropic import (
     new_tool_use_id,
 )
 from serve_app.protocol.openai import ChatCompletionRequest, DeltaToolCall, ToolCall
-
-logger = logging.getLogger(__name__)
+from serve_app.sse import sse_event, sse_response, sse_stream
 
 _ERRORS = {status: {"model": AnthropicErrorResponse} for status in (400, 401, 404, 429, 500, 503)}
 
@@ -72,7 +69,7 @@ def stop_reason(c: CompletionOutput, finish_reason: str | None = None) -> tuple[
     return "end_turn", None  # EOS (stop_reason None)
 
 
-def _usage(tally: _Tally) -> MessagesUsage:
+def _usage(tally: UsageTally) -> MessagesUsage:
     return MessagesUsage(input_tokens=tally.prompt_tokens - tally.cached_tokens, output_tokens=tally.completion_tokens,
                          cache_read_input_tokens=tally.cached_tokens)
 
@@ -249,7 +246,7 @@ class AnthropicServing:
 
     async def _message(self, message_id: str, first: RequestOutput, rest, tools: ChoiceTools,
                        blocks: _Blocks) -> MessagesResponse:
-        tally, final = _Tally(), first
+        tally, final = UsageTally(), first
         tally.add(0, first)
         try:
             async for _, output in rest:
@@ -270,7 +267,7 @@ class AnthropicServing:
         message_delta and message_stop. Without tools the text block opens at once, before the ping, as
         Anthropic's does. One delta per engine output (a lagging consumer gets tokens merged)."""
         try:
-            tally = _Tally()
+            tally = UsageTally()
             tally.add(0, first)
             start = MessagesResponse(id=message_id, content=[], model=self.model_name,
                                      usage=MessagesUsage(input_tokens=tally.prompt_tokens - tally.cached_tokens,
@@ -308,28 +305,13 @@ class AnthropicServing:
 # --- HTTP ------------------------------------------------------------------------------------------
 
 
-def _event(name: str, data: dict) -> str:
-    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-
-async def sse(events: AsyncIterator[Event]) -> AsyncIterator[str]:
-    """Anthropic's server-sent events; a failure after the first byte becomes an `error` event."""
-    try:
-        async for name, data in events:
-            yield _event(name, data)
-    except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
-        logger.warning("stream failed: %s", e)
-        yield _event("error", from_exception(e).anthropic_body())
-
-
 def add_routes(app: FastAPI, serving: AnthropicServing) -> None:
     @app.post("/v1/messages", response_model=MessagesResponse, responses=_ERRORS,
               summary="Anthropic Messages API (streamed as server-sent events when stream=true)")
     async def create_message(body: MessagesRequest):
         result = await serving.messages(body)
         if body.stream:
-            return StreamingResponse(sse(result), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return sse_response(sse_stream(result, lambda error: sse_event(error.anthropic_body(), "error")))
         return json_response(result)
 
     @app.post("/v1/messages/count_tokens", response_model=MessageTokensCount, responses=_ERRORS,

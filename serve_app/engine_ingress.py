@@ -14,7 +14,7 @@ from ray import serve
 from engine.core.prepared_request import PreparedRequest
 from engine.outputs import RequestOutput
 from serve_app.app_args import AppArgs
-from serve_app.ingress import OpenAIFrontend
+from serve_app.ingress import ClientFrontend
 from serve_app.llm_server import LLMServer
 
 
@@ -49,10 +49,12 @@ class _LocalEngine:
         return _LocalStream(self._server.generate(request))
 
 
+# Registered under the engine deployment's name, LLMServer: users' handles, dashboards and the manifests name the
+# engine replicas so whether or not they serve clients themselves.
 @serve.deployment(name="LLMServer", ray_actor_options={"num_cpus": 0}, graceful_shutdown_wait_loop_s=0.5,
                   health_check_period_s=5)
 @serve.ingress()
-class EngineIngress(OpenAIFrontend, LLMServer.func_or_class):
+class EngineIngress(ClientFrontend, LLMServer.func_or_class):
     def __init__(self, engine_config: dict, served_model_name: str, tracing_config: dict | None, pacing,
                  worker_bundle: dict[str, float] | None, args: dict) -> None:
         super().__init__(engine_config, served_model_name, tracing_config, pacing, worker_bundle)

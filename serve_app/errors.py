@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from http import HTTPStatus
 
@@ -54,9 +53,6 @@ class APIError(Exception):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(max(1, round(self.retry_after_s)))} if self.retry_after_s is not None else {}
-
-    def sse_event(self) -> str:
-        return f"data: {json.dumps(self.openai_body())}\n\n"
 
 
 _PARAM_PREFIX = re.compile(r"^(?:Value error, )?([a-z_][a-z0-9_/]*(?:\.[A-Za-z0-9_\-]+)*): ")

@@ -1,5 +1,6 @@
 """The HTTP surface: FastAPI routes over the ingress's serving objects, the error handlers that turn
-every failure into an OpenAI (or, on /v1/messages, Anthropic) error object, API-key checks, and SSE."""
+every failure into an OpenAI (or, on /v1/messages, Anthropic) error object, and API-key checks. Streams
+go out through serve_app/sse.py."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from serve_app.protocol.openai import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from serve_app.sse import OPENAI_DONE, sse_event, sse_response, sse_stream
 from serve_app.tracing import TracingMiddleware
 
 logger = logging.getLogger(__name__)
@@ -54,35 +56,18 @@ def json_response(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-# JSON leaves these unescaped, but line readers built on str.splitlines() (httpx's among them) end a
-# line at each: generated text containing one would cut an event in two.
-_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
-def sse_event(model: BaseModel) -> str:
-    return f"data: {model.model_dump_json().translate(_LINE_BREAKS)}\n\n"
-
-
-async def sse(chunks: AsyncIterator[BaseModel], first: BaseModel | None, done: bool = True) -> AsyncIterator[str]:
-    """Server-sent events; an error after the first byte becomes a final `data:` error event."""
-    try:
-        if first is not None:
-            yield sse_event(first)
-            async for chunk in chunks:
-                yield sse_event(chunk)
-    except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
-        logger.warning("stream failed: %s", e)
-        yield from_exception(e).sse_event()
-    if done:
-        yield "data: [DONE]\n\n"
-
-
 async def stream_response(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
     """Start a stream only once its first chunk exists, so that errors up to then (overload, bad
     input found by the replica) still get a proper status code."""
     first = await anext(chunks, None)
-    return StreamingResponse(sse(chunks, first), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def events():
+        if first is not None:
+            yield None, first
+            async for chunk in chunks:
+                yield None, chunk
+
+    return sse_response(sse_stream(events(), lambda error: sse_event(error.openai_body()), last=OPENAI_DONE))
 
 
 class BodySizeLimit:

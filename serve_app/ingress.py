@@ -33,8 +33,9 @@ logger = logging.getLogger(__name__)
 _HEALTH_TIMEOUT_S = 5.0
 
 
-class OpenAIFrontend:
-    """What serves clients: the HTTP routes (http_api.py) and the same operations as methods for
+class ClientFrontend:
+    """What serves clients: the HTTP routes of every protocol (OpenAI, Anthropic, LoRA management: http_api.py,
+    anthropic_serving.py, lora_routes.py) and the same operations as methods for
     DeploymentHandle callers, over an engine with LLMServer's `generate` (a handle, or this process's
     engine); a subclass answers `engine_healthy()` for /health. OpenAIIngress is one in front of the engine
     replicas; with AppArgs.direct_streaming every engine replica is one itself (serve_app/engine_ingress.py)."""
@@ -85,7 +86,7 @@ class OpenAIFrontend:
 @serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024,
                   graceful_shutdown_wait_loop_s=0.5)  # a drain ends within 0.5 s of its last stream
 @serve.ingress()
-class OpenAIIngress(OpenAIFrontend):
+class OpenAIIngress(ClientFrontend):
     def __init__(self, engine: DeploymentHandle, args: dict) -> None:
         args = AppArgs.model_validate(args)
         tracing.setup_tracing(args.tracing, {"pagedserve.component": "ingress", "gen_ai.request.model": args.name,

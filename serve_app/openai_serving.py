@@ -64,7 +64,7 @@ class _Prompt:
 
 
 @dataclass
-class _Tally:
+class UsageTally:
     """Token counts across a request's prompts and samples, for `usage`."""
 
     prompt_tokens: int = 0
@@ -291,7 +291,7 @@ class OpenAIServing:
         return await self._completion_full(req, request_id, prompts, requests)
 
     async def _completion_full(self, req, request_id, prompts, requests) -> CompletionResponse:
-        tally = _Tally()
+        tally = UsageTally()
         finals: dict[int, RequestOutput] = {}
         async for i, output in self._stream(requests):
             tally.add(i, output)
@@ -348,7 +348,7 @@ class OpenAIServing:
         return position
 
     async def _completion_stream(self, req, request_id, prompts, requests) -> AsyncIterator[CompletionResponse]:
-        tally = _Tally()
+        tally = UsageTally()
         sent_text: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
@@ -416,7 +416,7 @@ class OpenAIServing:
         return ChoiceLogprobs(content=content)
 
     async def _chat_full(self, req, request_id, engine_request, plan: ToolPlan) -> ChatCompletionResponse:
-        tally, final = _Tally(), None
+        tally, final = UsageTally(), None
         async for _, output in self._stream([engine_request]):
             tally.add(0, output)
             final = output
@@ -430,7 +430,7 @@ class OpenAIServing:
                                       usage=tally.usage())
 
     async def _chat_stream(self, req, request_id, engine_request, plan: ToolPlan) -> AsyncIterator[ChatCompletionChunk]:
-        tally = _Tally()
+        tally = UsageTally()
         tools = [ChoiceTools(plan) for _ in range(req.n)]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)

@@ -19,7 +19,7 @@ from engine.core.prepared_request import PreparedRequest
 from engine.sampling_params import SamplingParams
 from serve_app.app_args import AppArgs
 from serve_app.errors import APIError
-from serve_app.ingress import OpenAIFrontend
+from serve_app.ingress import ClientFrontend
 from serve_app.protocol.anthropic import MessagesRequest
 from serve_app.protocol.openai import ChatCompletionRequest, CompletionRequest
 from serve_app.routing.ray_router import SENT_OUT_OF_BAND
@@ -32,7 +32,7 @@ router_app = FastAPI()
 class IngressRouter:
     def __init__(self, engine: DeploymentHandle, args: dict) -> None:
         self.engine = engine
-        self.frontend = OpenAIFrontend()  # its tokenizer, chat template and block hashing; it never calls the engine
+        self.frontend = ClientFrontend()  # its tokenizer, chat template and block hashing; it never calls the engine
         self.frontend.serve_clients(AppArgs.model_validate(args), engine)
 
     @router_app.post("/internal/route")

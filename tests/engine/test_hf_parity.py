@@ -84,7 +84,7 @@ def test_logprob_parity(arch, hf_checkpoint):
             assert ours[token].logprob == pytest.approx(ref[token].item(), abs=1e-4)
             assert ours[token].rank == 1  # greedy picks the argmax
             top_values, top_ids = ref.topk(5)
-            for _rank, (tid, value) in enumerate(zip(top_ids.tolist(), top_values.tolist()), start=1):
+            for tid, value in zip(top_ids.tolist(), top_values.tolist()):
                 assert ours[tid].logprob == pytest.approx(value, abs=1e-4)
         assert completion.cumulative_logprob == pytest.approx(sum(lp[t].item() for t, lp in zip(tokens, hf_logprobs)),
                                                               abs=1e-3)

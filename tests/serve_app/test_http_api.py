@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from serve_app.http_api import sse_event
 from serve_app.protocol.openai import DeltaMessage
+from serve_app.sse import sse_event
 
 
 def test_unicode_line_breaks_never_split_an_event():
