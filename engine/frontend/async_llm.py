@@ -229,19 +229,15 @@ class AsyncLLM:
             given = (sampling_params, request_id, priority, cache_salt, kv_transfer_params, lora_request)
             if given != (None, None, 0, None, None, None):
                 raise ValueError("prompt: a PreparedRequest carries its own parameters; pass it alone")
-            params = _deltas_by_default(prompt.sampling_params)
-            request_id = prompt.request_id
-            # arrival_time is a monotonic clock's reading, meaningless in another process or on another host.
-            prepared = replace(prompt, sampling_params=params, arrival_time=time.monotonic())
         else:
-            params = sampling_params or SamplingParams()
-            if not isinstance(params, SamplingParams):
-                raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
-            params = _deltas_by_default(params)
-            request_id = request_id if request_id is not None else uuid.uuid4().hex
-            prepared = self.processor.prepare_request(prompt, params, request_id, priority=priority,
-                                                      cache_salt=cache_salt, kv_transfer_params=kv_transfer_params,
-                                                      lora_request=lora_request)
+            rid = request_id if request_id is not None else uuid.uuid4().hex
+            prompt = self.processor.prepare_request(prompt, sampling_params, rid, priority=priority,
+                                                    cache_salt=cache_salt, kv_transfer_params=kv_transfer_params,
+                                                    lora_request=lora_request)
+        params = _deltas_by_default(prompt.sampling_params)
+        request_id = prompt.request_id
+        # arrival_time is a monotonic clock's reading, meaningless in another process or on another host.
+        prepared = replace(prompt, sampling_params=params, arrival_time=time.monotonic())
         stream = _Stream(asyncio.get_running_loop(), params.output_kind is RequestOutputKind.DELTA, prepared.prompt,
                          prepared.prompt_token_ids)
         if self.engine is None and _StreamText.applies(params):
