@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 
-def _reduce_positional(self):
+def reduce_positional(self):
     """Pickle as the constructor's positional arguments. Outputs cross from the engine process every step;
     the default for slotted dataclasses (a state list set back attribute by attribute) loads ~4x slower."""
     return type(self), tuple(getattr(self, name) for name in self.__slots__)
@@ -17,7 +17,7 @@ class Logprob:
     rank: int  # 1 = the most likely token
     decoded_token: str | None = None
 
-    __reduce__ = _reduce_positional
+    __reduce__ = reduce_positional
 
 
 # One dict per generated token: token id -> Logprob (the sampled token first, then the top-k ones).
@@ -40,7 +40,7 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    __reduce__ = _reduce_positional
+    __reduce__ = reduce_positional
 
 
 @dataclass(slots=True, frozen=True)
@@ -54,7 +54,7 @@ class StepTiming:
     batch_size: int
     batch_tokens: int
 
-    __reduce__ = _reduce_positional
+    __reduce__ = reduce_positional
 
 
 @dataclass(slots=True)
@@ -89,7 +89,7 @@ class RequestMetrics:
             return None
         return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
 
-    __reduce__ = _reduce_positional
+    __reduce__ = reduce_positional
 
 
 @dataclass(slots=True)
@@ -106,7 +106,7 @@ class RequestOutput:
     # Set on a KV producer's final output: where a consumer finds the prompt's KV (engine/kv_transfer).
     kv_transfer_params: dict | None = None
 
-    __reduce__ = _reduce_positional
+    __reduce__ = reduce_positional
 
 
 def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:

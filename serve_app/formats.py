@@ -10,9 +10,10 @@ import asyncio
 import json
 import threading
 
-from engine.frontend.input_processor import InputProcessor, resolve_eos_token_ids
+from engine.frontend.input_processor import InputProcessor
 from engine.sampling_params import StructuredOutputsParams
 from engine.structured_output import GrammarCompiler
+from engine.tokenizer import resolve_eos_token_ids
 from serve_app.errors import APIError
 from serve_app.protocol.openai import SamplingFields
 

@@ -1,8 +1,9 @@
 """EngineCore: the one owner of each step. It holds the scheduler, the executor and the KV connector, and
-every step reads: schedule -> build the model input -> executor -> sample -> update the scheduler. It
-takes prepared requests and gives back the requests a step advanced (token ids, logprobs, finish status);
-text is made by the frontend (engine/frontend/llm_engine.py), which tells the core which requests a stop
-string ended. Not thread-safe: one thread drives it."""
+every step reads: schedule -> build the model input -> executor -> sample -> update the scheduler -> emit.
+It takes prepared requests and gives back, per step, what changed in each sample it advanced, in token
+ids only (EngineCoreOutput). Text is made by the frontend (engine/frontend/output_processor.py, in the
+caller's process), which tells the core which samples a stop string ended (`stop`). Not thread-safe: one
+thread drives it (LLMEngine's caller, or the engine loop of engine/core/engine_loop.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from engine.core.batch_builder import BatchBuilder, StepPlan
 from engine.core.block_hash import hash_block_chain, short_hash
 from engine.core.block_pool import BlockPool
 from engine.core.block_table import BlockTable
+from engine.core.core_output import EngineCoreOutput
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.prepared_request import PreparedRequest
 from engine.core.request import Request, RequestStatus
@@ -35,11 +37,13 @@ from engine.model_spec import ModelSpec
 from engine.outputs import Logprob, StepTiming
 from engine.sample.sampler import Sampler, sample_seed
 from engine.sample.step_sampler import LogprobEntry, StepOutput, StepSampler
+from engine.sampling_params import RequestOutputKind
 from engine.spec_decode.draft_proposer import DraftCheckpoint, DraftModelProposer
 from engine.spec_decode.drafter import Drafter
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.stats import EngineStats
 from engine.structured_output import StructuredOutputManager
+from engine.tokenizer import resolve_eos_token_ids, tokenizer_for
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +53,12 @@ _MAX_FAILED_STEPS = 3  # single-request steps failing in a row before the engine
 
 class EngineCore:
     def __init__(self, config: EngineConfig, spec: ModelSpec, tokenizer: PreTrainedTokenizerBase,
-                 eos_token_ids: frozenset[int], rendezvous: Rendezvous | None = None) -> None:
-        """`tokenizer`: for grammars (structured outputs) only. `rendezvous`: workers of a multi-rank engine
-        that a launcher already started (AsyncLLM, the serving app); without it a multi-rank engine spawns
-        its own (`mp`)."""
+                 rendezvous: Rendezvous | None = None) -> None:
+        """`tokenizer`: for grammars (structured outputs) and the EOS tokens only. `rendezvous`: workers of a
+        multi-rank engine that a launcher already started (AsyncLLM, the serving app); without it a
+        multi-rank engine spawns its own (`mp`)."""
         self.config = config
+        eos_token_ids = resolve_eos_token_ids(spec.model_config, tokenizer)
         if config.num_threads is not None or config.world_size > 1:
             torch.set_num_threads(threads_per_rank(config, config.world_size))
         self.model_config = spec.model_config
@@ -103,6 +108,12 @@ class EngineCore:
         self._pipeline_depth = config.pipeline_parallel_size
         self._in_flight: deque[tuple[StepPlan, float]] = deque()
 
+    @classmethod
+    def from_config(cls, config: EngineConfig, rendezvous: Rendezvous | None = None) -> EngineCore:
+        """For an engine process, which has no frontend to share the model's spec and tokenizer with."""
+        spec = ModelSpec.resolve(config)
+        return cls(config, spec, tokenizer_for(config, spec.path), rendezvous)
+
     def _build_scheduler(self, num_blocks: int) -> Scheduler:
         config = self.config
         if (num_blocks - 1) * config.block_size < self.max_model_len:
@@ -138,8 +149,8 @@ class EngineCore:
 
     # --- requests in --------------------------------------------------------------------------------------
 
-    def add_request(self, prepared: PreparedRequest) -> list[Request]:
-        """Enqueue a prepared request as its n samples (returned, for the frontend's output state)."""
+    def add_request(self, prepared: PreparedRequest) -> None:
+        """Enqueue a prepared request as its n samples. ValueError (nothing enqueued) if it cannot run here."""
         rid, params = prepared.request_id, prepared.sampling_params
         if rid in self._children or (self.kv_connector is not None and self.kv_connector.holds(rid)):
             raise ValueError(f"request_id: {rid!r} is already in flight (or its KV is held for a consumer)")
@@ -180,7 +191,6 @@ class EngineCore:
             self._compiling[rid] = children
         else:
             self._enqueue(rid, children)
-        return children
 
     def _resolve_lora(self, lora_request: LoRARequest | None):
         if lora_request is None:
@@ -226,15 +236,25 @@ class EngineCore:
                 requests.append(child)
         return requests
 
-    def stop(self, requests: list[Request]) -> None:
-        """The frontend found a stop string in these samples' text: they end now, with "stop"."""
-        for request in requests:
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+    def abort(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        """Abort requests by the ids callers know; their final outputs. Unknown ids are ignored."""
+        return self._emit(self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED))
 
-    def forget(self, request_ids: Iterable[str]) -> None:
-        """These requests' outputs are final: drop what the core keeps of them."""
-        for rid in request_ids:
-            for child in self._children.pop(rid, ()):
+    def stop(self, samples: Iterable[tuple[str, int]]) -> None:
+        """The frontend found a stop string in these samples' text ((caller's id, index) pairs) and already
+        made their final outputs: they end now, with "stop", and send nothing more."""
+        for rid, index in samples:
+            children = self._children.get(rid)
+            if children is None or children[index].is_finished:
+                continue  # it finished here meanwhile (the frontend learns it from the step's outputs)
+            self.scheduler.finish_requests([children[index].request_id], RequestStatus.FINISHED_STOPPED)
+            self._forget_if_done(rid)
+
+    def _forget_if_done(self, rid: str) -> None:
+        children = self._children.get(rid)
+        if children is not None and all(c.is_finished for c in children):
+            del self._children[rid]
+            for child in children:
                 self.structured_output.release(child)
             self._parked.pop(rid, None)
 
@@ -247,8 +267,11 @@ class EngineCore:
 
     # --- the step -----------------------------------------------------------------------------------------
 
-    def step(self) -> list[Request]:
-        """Run one scheduled step; returns the samples it advanced or finished."""
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one scheduled step; returns what changed in the samples it advanced or finished."""
+        return self._emit(self._step())
+
+    def _step(self) -> list[Request]:
         self.poll_kv_leases()
         compile_failures = self._release_compiled()
         if self._pipeline_depth > 1:
@@ -261,6 +284,38 @@ class EngineCore:
         start = time.monotonic()
         out, failed = self._execute_isolated(so)
         return compile_failures + self._update(so, out, failed, start)
+
+    def _emit(self, updated: list[Request]) -> list[EngineCoreOutput]:
+        """What each sample gained since its last output. A final-only request without stop strings sends
+        nothing until it finishes: its frontend makes text once, at the end."""
+        outputs = []
+        for r in updated:
+            finished, params = r.is_finished, r.sampling_params
+            if not finished and params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop:
+                continue
+            new_token_ids = r.output_token_ids[r.num_emitted_tokens :]
+            r.num_emitted_tokens = r.num_output_tokens
+            new_logprobs = None
+            if r.logprobs is not None:
+                new_logprobs = r.logprobs[r.num_emitted_logprobs :]
+                r.num_emitted_logprobs = len(r.logprobs)
+            prompt_logprobs = None
+            if r.index == 0 and r.prompt_logprobs is not None and not r.prompt_logprobs_emitted \
+                    and not r.wants_prompt_logprobs:
+                prompt_logprobs, r.prompt_logprobs_emitted = r.prompt_logprobs, True
+            steps = ()
+            if r.step_timings:
+                steps = tuple(r.step_timings)
+                r.step_timings.clear()
+            outputs.append(EngineCoreOutput(
+                r.external_id, r.index, new_token_ids, new_logprobs, r.cumulative_logprob, r.finish_reason,
+                r.stop_reason, r.error, max(r.num_cached_tokens, 0), prompt_logprobs,
+                r.kv_transfer_result if finished else None, r.first_scheduled_time, r.first_token_time,
+                r.last_token_time, r.finished_time, tuple(r.preempted_times), steps,
+            ))
+            if finished:
+                self._forget_if_done(r.external_id)
+        return outputs
 
     def _execute(self, so: SchedulerOutput) -> StepOutput:
         plan = self.batch_builder.build(so, self.scheduler.kv_cache_manager)

@@ -5,10 +5,11 @@ interval to get it back: measured inside a Ray Serve replica, the loop ran half 
 as alone. In its own process the loop keeps its GIL, and outputs cross back once per step for all
 requests together.
 
-The loop takes commands ("add", PreparedRequest), ("abort", request_id), ("release_kv", request_id),
-("stop", None) and emits events:
+It drives an EngineCore, so only token ids cross: AsyncLLM makes the text (engine/frontend/output_processor.py).
+The loop takes commands ("add", PreparedRequest), ("abort", request_id), ("stop", [(request_id, index)]: samples
+a stop string ended), ("release_kv", request_id), ("shutdown", None) and emits events:
     ("ready", EngineStats)                                      once the engine is built
-    ("outputs", list[RequestOutput], EngineStats, num_adds)     after a step or applied commands
+    ("outputs", list[EngineCoreOutput], EngineStats, num_adds)  after a step or applied commands
     ("rejected", request_id, ValueError)                        an add the engine refused
     ("cache_summary", bytes)                                    the prefix cache's blocks, when changed
                                                                 (at most every SUMMARY_PERIOD_S)
@@ -24,9 +25,9 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from engine.config import EngineConfig
+from engine.core.core_output import EngineCoreOutput
+from engine.core.engine_core import EngineCore
 from engine.executor import Rendezvous
-from engine.frontend.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -38,41 +39,44 @@ Command = tuple[str, object]
 Event = tuple
 
 
-def run_engine_loop(engine: LLMEngine, next_command: Callable[[float], Command | None],
+def run_engine_loop(core: EngineCore, next_command: Callable[[float], Command | None],
                     emit: Callable[[Event], None]) -> None:
-    """Step until a "stop" command; `next_command(timeout)` returns None when nothing came in time.
+    """Step until a "shutdown" command; `next_command(timeout)` returns None when nothing came in time.
     Raises on a fatal engine error (after emitting "dead")."""
     summary_version, summary_time = -1, 0.0
     try:
         while True:
             now = time.monotonic()
-            if engine.cache_version != summary_version and now - summary_time >= SUMMARY_PERIOD_S:
-                summary_version, summary_time = engine.cache_version, now
-                emit(("cache_summary", engine.cache_summary()))
-            timeout = 0.0 if engine.has_unfinished_requests() else IDLE_POLL_S
-            outputs: list[RequestOutput] = []
-            num_adds = 0
+            if core.cache_version != summary_version and now - summary_time >= SUMMARY_PERIOD_S:
+                summary_version, summary_time = core.cache_version, now
+                emit(("cache_summary", core.cache_summary()))
+            timeout = 0.0 if core.has_unfinished_requests() else IDLE_POLL_S
+            outputs: list[EngineCoreOutput] = []
+            num_adds = num_commands = 0
             command = next_command(timeout)
             while command is not None:
+                num_commands += 1
                 kind, payload = command
-                if kind == "stop":
+                if kind == "shutdown":
                     return
                 if kind == "add":
                     num_adds += 1
                     try:
-                        engine.add_prepared(payload)
+                        core.add_request(payload)
                     except ValueError as e:
                         emit(("rejected", payload.request_id, e))
                 elif kind == "abort":
-                    outputs.extend(engine.abort_request(payload))
+                    outputs.extend(core.abort([payload]))
+                elif kind == "stop":
+                    core.stop(payload)
                 elif kind == "release_kv":
-                    engine.release_kv(payload)
+                    core.release_kv(payload)
                 command = next_command(0.0)
-            freed = engine.poll_kv_leases()  # blocks held for KV consumers: their stats must show the release
-            if engine.has_unfinished_requests():
-                outputs.extend(engine.step())
-            if outputs or num_adds or freed:
-                emit(("outputs", outputs, engine.get_stats(), num_adds))
+            freed = core.poll_kv_leases()  # blocks held for KV consumers: their stats must show the release
+            if core.has_unfinished_requests():
+                outputs.extend(core.step())
+            if outputs or num_commands or freed:  # a stop or an abort changes the stats without an output
+                emit(("outputs", outputs, core.get_stats(), num_adds))
     except BaseException as e:
         logger.exception("fatal engine error")
         emit(("dead", f"the engine died: {type(e).__name__}: {e}"))
@@ -107,13 +111,13 @@ def run_engine_process(config: EngineConfig, rendezvous: Rendezvous | None, comm
     engine's workers were started by the parent (a daemonic process cannot start processes), which
     hands over where they wait."""
     try:
-        engine = LLMEngine(config, rendezvous)
+        core = EngineCore.from_config(config, rendezvous)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         events.send(("dead", f"the engine failed to start: {type(e).__name__}: {e}"))
         return
     gc.collect()
     gc.freeze()  # see AsyncLLM: full collections must not stall the loop
-    events.send(("ready", engine.get_stats()))
+    events.send(("ready", core.get_stats()))
 
     maybe_trim = heap_trimmer()
 
@@ -122,18 +126,8 @@ def run_engine_process(config: EngineConfig, rendezvous: Rendezvous | None, comm
         return commands.recv() if commands.poll(timeout) else None
 
     try:
-        run_engine_loop(engine, next_command, lambda event: events.send(_without_prompts(event)))
+        run_engine_loop(core, next_command, events.send)
     except BaseException:  # noqa: BLE001 - reported as "dead" (or the parent is gone: nobody to tell)
         pass
     finally:
-        engine.shutdown()
-
-
-def _without_prompts(event: Event) -> Event:
-    """Outputs leave the engine process without their prompt and its token ids: AsyncLLM has both (it put
-    them on the stream), and a step's outputs would otherwise carry every running prompt again. At 64
-    requests of 4k-token prompts that was 0.8 MB a step, 2 ms to pickle here and 6 ms to load there."""
-    if event[0] == "outputs":
-        for output in event[1]:
-            output.prompt = output.prompt_token_ids = None
-    return event
+        core.shutdown()

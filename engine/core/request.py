@@ -1,6 +1,6 @@
 """A request's state inside the engine: its tokens, how many of them have KV computed, its blocks'
 hashes, its lifecycle status and timings. With n > 1 each sample is its own Request (a child), all
-sharing the parent's prompt; the output processor reassembles them."""
+sharing the parent's prompt; the frontend's output processor reassembles them."""
 
 from __future__ import annotations
 
@@ -85,6 +85,10 @@ class Request:
     # all_token_ids (nor of block hashes) unless accepted.
     spec_token_ids: list[int] = field(default_factory=list)
     step_timings: list[StepTiming] = field(default_factory=list)  # not yet sent in an output
+    # What the core already sent to the frontend (engine/core/core_output.py): outputs carry what is new.
+    num_emitted_tokens: int = 0
+    num_emitted_logprobs: int = 0
+    prompt_logprobs_emitted: bool = False
     grammar: GrammarState | None = None  # structured outputs: this sample's compile and matcher
     lora_slot: int = -1  # the device slot of its adapter while it runs (engine/lora/manager.py); -1: none
 

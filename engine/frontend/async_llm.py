@@ -1,11 +1,12 @@
 """AsyncLLM: the engine behind an asyncio API, for servers.
 
-The step loop (engine/core/engine_loop.py) runs off the event loop: on a thread of this process, or, with
-`EngineConfig.multiprocess`, in a process of its own (what servers want: it keeps its own GIL). Callers
-never touch engine state: `generate` validates and tokenizes on the caller's thread, then hands the
-request to the loop as a command; outputs come back once per step, and reach each event loop with one
-`call_soon_threadsafe`. A stream whose consumer lags gets its deltas merged, never one message per token.
-From an engine process, a delta stream's tokens come without their text, which is decoded here (_StreamText).
+The engine core's step loop (engine/core/engine_loop.py) runs off the event loop: on a thread of this
+process, or, with `EngineConfig.multiprocess`, in a process of its own (what servers want: it keeps its own
+GIL). Callers never touch engine state: `generate` validates and tokenizes on the caller's thread, then
+hands the request to the loop as a command; token ids come back once per step, and the text is made here
+(OutputProcessor, as in vLLM V1: off the loop every request waits on), on the thread that receives them,
+which also tells the core which samples a stop string ended. Outputs reach each event loop with one
+`call_soon_threadsafe`; a stream whose consumer lags gets its deltas merged, never one message per token.
 
 Failure model: a request that fails on its own (while sampling it, say) ends with RequestFailedError and
 the engine goes on; an error the engine cannot pin on requests is fatal: every in-flight stream fails
@@ -23,18 +24,17 @@ import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 
-from transformers import PreTrainedTokenizerBase
-
 from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
 from engine.core.engine_loop import run_engine_loop, run_engine_process
 from engine.core.prepared_request import PreparedRequest
 from engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from engine.executor import Rendezvous, WorkerLauncher
-from engine.frontend.detokenizer import IncrementalDetokenizer, text_token_ids
 from engine.frontend.input_processor import InputProcessor
-from engine.frontend.llm_engine import LLMEngine
+from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.processes import process_context
 from engine.lora.request import LoRARequest
+from engine.model_spec import ModelSpec
 from engine.outputs import RequestOutput, merge_deltas
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -47,12 +47,9 @@ class _Stream:
 
     loop: asyncio.AbstractEventLoop
     deltas: bool  # merge queued outputs (delta kind), or keep the latest (cumulative views)
-    prompt: str | None  # the engine process sends outputs without their prompt: _publish puts it back
-    prompt_token_ids: list[int]
     items: list = field(default_factory=list)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     finished: bool = False
-    text: _StreamText | None = None  # the engine process sends this stream's tokens without their text
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self.items.append(item)
@@ -66,38 +63,7 @@ class _Stream:
         error = next((i for i in items if isinstance(i, BaseException)), None)
         if error is not None:
             raise error
-        output = merge_deltas(items) if self.deltas else items[-1]
-        if self.text is not None:
-            self.text.fill(output)
-        return output
-
-
-@dataclass
-class _StreamText:
-    """Text for a delta stream of the engine process, decoded here rather than there (as vLLM V1 does): off
-    the step loop, which every request waits on, and once per message the consumer takes, so that tokens
-    that queued up meanwhile decode in one window. Only for requests without stop strings: the engine
-    needs the text that a stop string would end."""
-
-    tokenizer: PreTrainedTokenizerBase
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    samples: dict[int, IncrementalDetokenizer] = field(default_factory=dict)  # by CompletionOutput.index
-
-    @staticmethod
-    def applies(params: SamplingParams) -> bool:
-        return params.detokenize and not params.stop and params.output_kind is RequestOutputKind.DELTA
-
-    def fill(self, output: RequestOutput) -> None:
-        for sample in output.outputs:
-            detokenizer = self.samples.get(sample.index)
-            if detokenizer is None:
-                detokenizer = self.samples[sample.index] = IncrementalDetokenizer(
-                    self.tokenizer, self.prompt_token_ids, self.params.skip_special_tokens)
-            token_ids = text_token_ids(sample.token_ids, sample.finish_reason == "stop",
-                                       self.params.include_stop_str_in_output)
-            detokenizer.update(token_ids, check_stop=False, final=sample.finished)
-            sample.text = detokenizer.get_delta(sample.finished)
+        return merge_deltas(items) if self.deltas else items[-1]
 
 
 class AsyncLLM:
@@ -116,7 +82,11 @@ class AsyncLLM:
         self._stopping = False
         self.cache_summary = b""  # packed uint64 short hashes of the cached blocks (for routers)
         # Checks the config against the model (ModelSpec's checks) before any worker starts.
-        self.processor = InputProcessor.from_config(config) if config.multiprocess else None
+        self.processor = InputProcessor.from_config(config)
+        # Touched only by the thread that receives the core's outputs (_on_event); requests reach it through
+        # _added, which that thread drains before each step's outputs (an add is queued before it is sent).
+        self.output_processor = OutputProcessor(self.processor.tokenizer)
+        self._added: queue.SimpleQueue[PreparedRequest] = queue.SimpleQueue()
         rendezvous = None
         if config.world_size > 1 and (config.multiprocess or launcher is not None):
             if self._launcher is None:
@@ -126,17 +96,16 @@ class AsyncLLM:
             rendezvous = self._launcher.launch(config, config.step_timeout_s)
         try:  # the workers are up: a failure from here on stops them
             if config.multiprocess:
-                self.engine = None  # lives in the engine process
+                self.core = None  # lives in the engine process
                 self._start_process(rendezvous)
             else:
-                self.engine = LLMEngine(config, rendezvous)
+                self.core = EngineCore(config, ModelSpec.resolve(config), self.processor.tokenizer, rendezvous)
         except BaseException:
             if self._launcher is not None:
                 self._launcher.shutdown()
             raise
-        if self.engine is not None:
-            self.processor = self.engine.input_processor
-            self.stats = self.engine.get_stats()
+        if self.core is not None:
+            self.stats = self.core.get_stats()
             self._commands: queue.SimpleQueue = queue.SimpleQueue()
             self._thread = threading.Thread(target=self._run_thread, name="pagedserve-engine", daemon=True)
         # A full garbage collection walks every object, holding the GIL for as long; after loading a
@@ -174,7 +143,7 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._read_process_events, name="pagedserve-engine-events", daemon=True)
 
     def _send(self, command: tuple) -> None:
-        if self.engine is not None:
+        if self.core is not None:
             self._commands.put(command)
             return
         try:
@@ -199,7 +168,7 @@ class AsyncLLM:
         """Why a rank of a multi-rank engine is gone (the engine itself notices at its next step), or None."""
         if self._launcher is not None:
             return self._launcher.failure()
-        return self.engine.check_health() if self.engine is not None else None
+        return self.core.check_health() if self.core is not None else None
 
     @property
     def num_in_flight(self) -> int:
@@ -238,11 +207,7 @@ class AsyncLLM:
         request_id = prompt.request_id
         # arrival_time is a monotonic clock's reading, meaningless in another process or on another host.
         prepared = replace(prompt, sampling_params=params, arrival_time=time.monotonic())
-        stream = _Stream(asyncio.get_running_loop(), params.output_kind is RequestOutputKind.DELTA, prepared.prompt,
-                         prepared.prompt_token_ids)
-        if self.engine is None and _StreamText.applies(params):
-            stream.text = _StreamText(self.tokenizer, prepared.prompt_token_ids, params)
-            prepared = replace(prepared, sampling_params=params.model_copy(update={"detokenize": False}))
+        stream = _Stream(asyncio.get_running_loop(), params.output_kind is RequestOutputKind.DELTA)
         self._register(prepared, stream)
         try:
             while True:
@@ -275,6 +240,7 @@ class AsyncLLM:
                 )
             self._streams[prepared.request_id] = stream
             self._num_pending_adds += 1
+        self._added.put(prepared)
         self._send(("add", prepared))
 
     async def abort(self, request_id: str) -> None:
@@ -294,14 +260,14 @@ class AsyncLLM:
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop the engine loop; in-flight streams fail with EngineDeadError."""
         self.stop_admitting()
-        self._send(("stop", None))
-        if self.engine is None:
+        self._send(("shutdown", None))
+        if self.core is None:
             self._process.join(timeout_s)
             if self._process.is_alive():
                 self._process.kill()
         self._thread.join(timeout_s)
-        if self.engine is not None:
-            self.engine.shutdown()
+        if self.core is not None:
+            self.core.shutdown()
         if self._launcher is not None:
             self._launcher.shutdown()
 
@@ -315,7 +281,7 @@ class AsyncLLM:
                 return None
 
         try:
-            run_engine_loop(self.engine, next_command, self._on_event)
+            run_engine_loop(self.core, next_command, self._on_event)
         except BaseException:  # noqa: BLE001 - already reported through a "dead" event
             return
         self._fail_all(EngineDeadError("the engine was shut down"))
@@ -334,15 +300,22 @@ class AsyncLLM:
 
     def _on_event(self, event: tuple) -> None:
         kind = event[0]
+        if kind in ("outputs", "rejected"):
+            while not self._added.empty():
+                self.output_processor.add_request(self._added.get_nowait())
         if kind == "outputs":
-            _, outputs, stats, num_adds = event
+            _, core_outputs, stats, num_adds = event
             self.stats = stats
             if num_adds:
                 with self._lock:
                     self._num_pending_adds -= num_adds
-            if outputs:
+            if core_outputs:
+                outputs, stopped = self.output_processor.process(core_outputs)
+                if stopped:
+                    self._send(("stop", stopped))
                 self._publish(outputs)
         elif kind == "rejected":
+            self.output_processor.discard(event[1])
             self._deliver_error(event[1], event[2])
         elif kind == "cache_summary":
             self.cache_summary = event[1]
@@ -355,8 +328,6 @@ class AsyncLLM:
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:
-                    if output.prompt_token_ids is None:
-                        output.prompt, output.prompt_token_ids = stream.prompt, stream.prompt_token_ids
                     by_loop.setdefault(stream.loop, []).append((stream, output))
         for loop, items in by_loop.items():
             _call_soon(loop, _deliver, items)

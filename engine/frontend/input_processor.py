@@ -12,20 +12,13 @@ from transformers import PreTrainedTokenizerBase
 from engine.config import EngineConfig
 from engine.core.block_hash import hash_block_chain
 from engine.core.prepared_request import PreparedRequest
-from engine.frontend.tokenizer import load_tokenizer, max_chars_per_token
 from engine.lora.request import LoRARequest
 from engine.model_spec import check_config, resolve_max_model_len
 from engine.models.config import ModelConfig
 from engine.models.loader import resolve_model_path
 from engine.sampling_params import SamplingParams
 from engine.text_validation import check_text
-
-
-def resolve_eos_token_ids(model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    """The tokens that end a generation: the model's generation config, else the tokenizer's EOS."""
-    if model_config.eos_token_ids:
-        return frozenset(model_config.eos_token_ids)
-    return frozenset([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+from engine.tokenizer import max_chars_per_token, tokenizer_for
 
 
 def text_chars(value) -> int:
@@ -62,7 +55,7 @@ class InputProcessor:
         path = resolve_model_path(config.model, config.revision, weights=False)
         model_config = ModelConfig.from_pretrained(path)
         check_config(config, model_config)
-        tokenizer = load_tokenizer(config.tokenizer or path, config.revision if config.tokenizer else None)
+        tokenizer = tokenizer_for(config, path)
         return cls(config, model_config, tokenizer, resolve_max_model_len(config, model_config))
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

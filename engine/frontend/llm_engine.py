@@ -1,25 +1,26 @@
 """LLMEngine: requests in, one scheduled step at a time, RequestOutputs out; vLLM's LLMEngine shape. It
-prepares requests (InputProcessor), steps the engine core (engine/core/engine_core.py: token ids only),
-and makes text and outputs (OutputProcessor), telling the core which requests a stop string ended.
-Synchronous; `LLM` drives it for offline batches and `AsyncLLM` from its engine loop."""
+prepares requests (InputProcessor), steps the engine core (engine/core/engine_core.py: token ids only) in
+this process, and makes text and outputs (OutputProcessor), telling the core which samples a stop string
+ended. Synchronous; `LLM` drives it for offline batches. (AsyncLLM pairs the same two processors with a
+core on a thread or in a process of its own.)"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 from engine.config import EngineConfig
+from engine.core.core_output import EngineCoreOutput
 from engine.core.engine_core import EngineCore
 from engine.core.prepared_request import PreparedRequest
-from engine.core.request import Request, RequestStatus
 from engine.executor import Rendezvous
-from engine.frontend.input_processor import InputProcessor, resolve_eos_token_ids
+from engine.frontend.input_processor import InputProcessor
 from engine.frontend.output_processor import OutputProcessor
-from engine.frontend.tokenizer import load_tokenizer
 from engine.lora.request import LoRARequest
 from engine.model_spec import ModelSpec
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
+from engine.tokenizer import tokenizer_for
 
 
 class LLMEngine:
@@ -33,11 +34,10 @@ class LLMEngine:
         spec = ModelSpec.resolve(config)
         self.model_config = spec.model_config
         self.max_model_len = spec.max_model_len
-        self.tokenizer = load_tokenizer(config.tokenizer or spec.path, config.revision if config.tokenizer else None)
+        self.tokenizer = tokenizer_for(config, spec.path)
         self.input_processor = InputProcessor(config, self.model_config, self.tokenizer, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.core = EngineCore(config, spec, self.tokenizer, resolve_eos_token_ids(self.model_config, self.tokenizer),
-                               rendezvous)
+        self.core = EngineCore(config, spec, self.tokenizer, rendezvous)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.input_processor.tokenize(prompt)
@@ -50,8 +50,8 @@ class LLMEngine:
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
         """Enqueue a prepared request; engine-thread only."""
-        children = self.core.add_request(prepared)
-        self.output_processor.add_request(prepared.request_id, prepared.prompt, children)
+        self.core.add_request(prepared)
+        self.output_processor.add_request(prepared)
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, **kwargs) -> str:
         """Validate and enqueue a request; returns its id. The engine state is untouched on error."""
@@ -62,16 +62,15 @@ class LLMEngine:
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Abort requests by the ids callers know; returns their final outputs. Unknown ids are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        return self._emit(self.core.finish_requests(ids, RequestStatus.FINISHED_ABORTED))
+        return self._process(self.core.abort(ids))
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns outputs for the requests it advanced (per their output_kind)."""
-        return self._emit(self.core.step())
+        return self._process(self.core.step())
 
-    def _emit(self, updated: list[Request]) -> list[RequestOutput]:
-        self.core.stop(self.output_processor.detokenize(updated))
-        outputs = self.output_processor.make_outputs(updated)
-        self.core.forget(o.request_id for o in outputs if o.finished)
+    def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        outputs, stopped = self.output_processor.process(core_outputs)
+        self.core.stop(stopped)
         return outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -7,7 +7,15 @@ import time
 
 import pytest
 
-from engine import AsyncLLM, EngineConfig, EngineDeadError, EngineOverloadedError, RequestFailedError, SamplingParams
+from engine import (
+    LLM,
+    AsyncLLM,
+    EngineConfig,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestFailedError,
+    SamplingParams,
+)
 from tests.conftest import TINY
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -21,7 +29,7 @@ def llm():
 
 
 def _pool_free(llm: AsyncLLM) -> bool:
-    pool = llm.engine.core.scheduler.kv_cache_manager.block_pool
+    pool = llm.core.scheduler.kv_cache_manager.block_pool
     return pool.get_num_free_blocks() == pool.num_usable_blocks
 
 
@@ -37,8 +45,6 @@ async def _collect(llm, prompt, params, **kw):
 
 
 def test_deltas_add_up_to_the_offline_result(llm):
-    from engine import LLM
-
     offline = LLM(TINY, max_model_len=512).generate(["Tell me a story"], GREEDY, use_tqdm=False)[0].outputs[0]
     outs = asyncio.run(_collect(llm, "Tell me a story", GREEDY.model_copy(update={"logprobs": 2})))
     assert outs[-1].finished and all(not o.finished for o in outs[:-1])
@@ -89,12 +95,12 @@ def test_cancelling_the_consumer_aborts_the_request(llm):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await _wait_until(lambda: _pool_free(llm) and llm.engine.core.scheduler.num_running == 0)
+        await _wait_until(lambda: _pool_free(llm) and llm.core.scheduler.num_running == 0)
         # Breaking out of the loop early (closing the generator) aborts too.
         gen = llm.generate("close me", SamplingParams(max_tokens=400, ignore_eos=True))
         await gen.__anext__()
         await gen.aclose()
-        await _wait_until(lambda: _pool_free(llm) and not llm.engine.has_unfinished_requests())
+        await _wait_until(lambda: _pool_free(llm) and not llm.core.has_unfinished_requests())
 
     asyncio.run(run())
 
@@ -165,7 +171,7 @@ def test_overload_raises_at_once():
 
 def test_a_failing_request_fails_alone():
     llm = AsyncLLM(EngineConfig(model=TINY, max_model_len=256))
-    core = llm.engine.core
+    core = llm.core
     real_execute = core._execute
 
     def execute(so):  # fault injection: sampling the poisoned request raises
@@ -193,7 +199,7 @@ def test_a_failing_request_fails_alone():
 
 def test_a_fatal_error_fails_everything_promptly():
     llm = AsyncLLM(EngineConfig(model=TINY, max_model_len=256))
-    core = llm.engine.core
+    core = llm.core
     real_execute = core._execute
     broken = {"on": False}
 
@@ -277,11 +283,11 @@ def test_engine_in_its_own_process(llm):
     import signal
 
     in_thread, llm = llm, AsyncLLM(EngineConfig(model=TINY, max_model_len=256, multiprocess=True))
-    assert llm.engine is None and llm._process.is_alive()
+    assert llm.core is None and llm._process.is_alive()
 
     async def run():
-        # The process engine sends delta streams' tokens bare and their text is decoded here, per message
-        # taken: the same text as the engine's own decoding, whichever way the stream ends.
+        # The engine process sends token ids only and the text is made here: the same text as an engine on a
+        # thread, whichever way the stream ends.
         first = (await _collect(in_thread, "the text",
                                 SamplingParams(temperature=0, max_tokens=1)))[0].outputs[0].token_ids[0]
         for params in [GREEDY, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, skip_special_tokens=False),
@@ -293,7 +299,18 @@ def test_engine_in_its_own_process(llm):
             here, there = await _collect(llm, "the text", params), await _collect(in_thread, "the text", params)
             assert (_texts(here) == _texts(there)
                     and here[-1].outputs[-1].finish_reason == there[-1].outputs[-1].finish_reason)
-        assert here[0].outputs[0].text  # stop strings: decoded by the engine, as before
+        assert here[0].outputs[0].text
+        # A stop string found here ends the request there; tokens the engine made past it are not output.
+        text = _texts(await _collect(in_thread, "the text", GREEDY))[0]
+        stop = text[len(text) // 3 : len(text) // 3 + 3]
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, stop=[stop])
+        offline = LLM(TINY, max_model_len=256).generate("the text", params, use_tqdm=False)[0].outputs[0]
+        outs = await _collect(llm, "the text", params)
+        assert [t for o in outs for t in o.outputs[0].token_ids] == offline.token_ids
+        assert _texts(outs)[0] == offline.text and stop not in offline.text
+        assert outs[-1].outputs[0].finish_reason == "stop" and outs[-1].outputs[0].stop_reason == stop
+        assert outs[-1].metrics.num_generation_tokens == len(offline.token_ids) < 200
+        await _wait_until(lambda: llm.stats.num_running == 0 and llm.stats.kv_cache_usage == 0)
         slow = llm.generate("the text", GREEDY)  # a consumer that lags: several steps decode in one window
         outs = [await slow.__anext__()]
         await asyncio.sleep(0.3)
@@ -302,7 +319,7 @@ def test_engine_in_its_own_process(llm):
         assert _texts(outs) == _texts(await _collect(in_thread, "the text", GREEDY))
         outs = await _collect(llm, "from another process", GREEDY)
         assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 24
-        # Outputs cross the pipe without their prompt; each delta still carries it, as in-process.
+        # Only token ids cross the pipe; each output still carries the prompt, as in-process.
         prompt_ids = llm.tokenizer.encode("from another process")
         assert all(o.prompt == "from another process" and o.prompt_token_ids == prompt_ids for o in outs)
         outs = await _collect(llm, [1, 7, 9], GREEDY)

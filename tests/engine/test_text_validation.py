@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from engine.frontend.tokenizer import load_tokenizer, max_chars_per_token
 from engine.models.builtin import materialize_builtin
 from engine.text_validation import check_text, invalid_text
+from engine.tokenizer import load_tokenizer, max_chars_per_token
 from tests.conftest import TINY
 
 

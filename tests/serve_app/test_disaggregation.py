@@ -54,7 +54,7 @@ def app_url(deploy_app, adapter):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_path):
-    from engine.frontend.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_model_path)
 

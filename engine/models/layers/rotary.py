@@ -31,10 +31,15 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        # Computed on the CPU, then placed where the model is built. On the meta device (ModelSpec's layout
+        # check builds every model there) these ops would import torch._dynamo for their reference
+        # implementations: 2-3 s of every process that checks a config.
+        device = torch.empty(0).device
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(head_dim, theta, scaling)
+            freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", freqs.cos().to(device), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if elementwise.available(q):

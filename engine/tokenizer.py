@@ -1,12 +1,17 @@
-"""Tokenizer loading (the Hugging Face fast tokenizer of the checkpoint, or of `tokenizer`), and what
-the tokenizer lets us know about a text's length in tokens before paying to tokenize it."""
+"""Tokenizer loading (the Hugging Face fast tokenizer of the checkpoint, or of `tokenizer`), the tokens that
+end a generation, and what the tokenizer lets us know about a text's length in tokens before paying to tokenize it."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.models.config import ModelConfig
 
 # Normalizers by the most they can shrink a text (NFC/NFKC compose at most four code points into one:
 # U+1FAF is Omega and three combining marks; the others map or expand). One not listed (Strip,
@@ -21,6 +26,20 @@ def load_tokenizer(name_or_path: str | Path, revision: str | None = None) -> Pre
         return AutoTokenizer.from_pretrained(str(name_or_path), revision=revision)
     except (OSError, ValueError) as e:
         raise ValueError(f"tokenizer: cannot load a tokenizer from {name_or_path!s}: {e}") from e
+
+
+def tokenizer_for(config: EngineConfig, model_path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer an engine config names (`tokenizer`, at `revision`), else the checkpoint's own."""
+    if config.tokenizer:
+        return load_tokenizer(config.tokenizer, config.revision)
+    return load_tokenizer(model_path)
+
+
+def resolve_eos_token_ids(model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The tokens that end a generation: the model's generation config, else the tokenizer's EOS."""
+    if model_config.eos_token_ids:
+        return frozenset(model_config.eos_token_ids)
+    return frozenset([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
 
 
 def max_chars_per_token(tokenizer: PreTrainedTokenizerBase) -> int | None:
