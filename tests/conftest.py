@@ -67,7 +67,7 @@ def _arch_configs():
         "mistral": MistralConfig(**_SMALL, sliding_window=None, tie_word_embeddings=False),
         "qwen2": Qwen2Config(**_SMALL, tie_word_embeddings=False),  # qkv bias
         "qwen3": Qwen3Config(**_SMALL, head_dim=32, tie_word_embeddings=False),  # q/k norm, head_dim != hidden/heads
-        # Mixtures of experts (tests/engine/test_moe.py): Mixtral renormalizes and keeps float32 routing weights;
+        # Mixtures of experts (tests/engine/models/test_moe.py): Mixtral renormalizes and keeps float32 routing weights;
         # Qwen2-MoE does not renormalize, adds a gated shared expert and keeps layer 1 dense; Qwen3-MoE
         # renormalizes top-4 of 8 (transformers writes its expert count as num_local_experts).
         "mixtral": MixtralConfig(**{**_SMALL, "intermediate_size": 48}, num_local_experts=8, num_experts_per_tok=2,

@@ -11,7 +11,7 @@ import pytest
 
 from engine import LLM, EngineConfig, SamplingParams, StructuredOutputsParams
 from tests.conftest import TINY
-from tests.engine.test_kv_transfer import _engine, _run
+from tests.engine.kv_transfer.test_kv_transfer import _engine, _run
 
 DRAFT = {"method": "draft_model", "model": TINY}
 

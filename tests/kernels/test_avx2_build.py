@@ -14,7 +14,7 @@ from kernels.cpu import missing_toolchain
 ROOT = Path(__file__).parents[2]
 KERNEL_TESTS = ["tests/kernels/test_quant_linear.py", "tests/kernels/test_cpu_linear.py",
                 "tests/kernels/test_elementwise.py", "tests/kernels/test_torch_attention.py",
-                "tests/engine/test_moe.py::test_fused_moe_matches_a_per_token_reference"]
+                "tests/engine/models/test_moe.py::test_fused_moe_matches_a_per_token_reference"]
 
 
 def _has_avx512() -> bool:

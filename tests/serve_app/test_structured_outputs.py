@@ -16,7 +16,7 @@ from engine.sampling_params import MAX_GRAMMAR_BYTES
 
 MODEL = "pagedserve-tiny"
 
-# Finite on purpose (maxLength, maxItems, ranges, enums): see tests/engine/test_structured_output.py.
+# Finite on purpose (maxLength, maxItems, ranges, enums): see tests/engine/structured_output/test_structured_output.py.
 ORDER_SCHEMA = {
     "type": "object",
     "properties": {

@@ -11,7 +11,7 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
 from engine.kv_transfer.shared_memory import staged_path
-from tests.engine.test_hf_parity import PROMPTS
+from tests.engine.models.test_hf_parity import PROMPTS
 
 # FINAL_ONLY: the final output's metrics then hold every step the request took part in.
 DECODE = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3,

@@ -1,5 +1,5 @@
 """Quantized weights: GPTQ, AWQ, compressed-tensors and FP8 checkpoints written independently of our
-loader (tests/engine/quantized_checkpoints.py), and online int8 / int4, each against Hugging Face on a
+loader (tests/engine/models/quantized_checkpoints.py), and online int8 / int4, each against Hugging Face on a
 dense model holding the checkpoint's own dequantized weights (tests/parity.py's tie rule).
 
 Stated tolerance: our logprobs of the chosen tokens are within LOGPROB_TOL of HF's on the dequantized
@@ -19,7 +19,7 @@ from engine.models.layers.quantization.awq import unpack_awq
 from engine.models.layers.quantization.online import int4_group_size, quantize_int8
 from engine.models.layers.quantization.weight_only import unpack_int32
 from kernels.cpu.quant_linear import dequantize_int4, dequantize_int8, unpack_int4_params
-from tests.engine.quantized_checkpoints import (
+from tests.engine.models.quantized_checkpoints import (
     awq_pack,
     gptq_pack_qweight,
     gptq_pack_qzeros,
@@ -116,7 +116,7 @@ def _oracle_online(dense, out, scheme: str):
     _int4_by_definition) on whole tensors -> dense oracle."""
     from safetensors.torch import load_file
 
-    from tests.engine.quantized_checkpoints import _is_linear, _write
+    from tests.engine.models.quantized_checkpoints import _is_linear, _write
 
     oracle = {}
     for name, w in load_file(str(dense / "model.safetensors")).items():

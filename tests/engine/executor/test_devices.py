@@ -15,7 +15,7 @@ import torch
 from engine.distributed.parallel_state import collective_backend, collective_device
 from engine.executor.worker import rank_device
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # The code a rank runs outside the model's layers (which are built under their device), from its groups'
 # collectives to sampling.
 RANK_CODE = sorted([*(ROOT / "engine" / "distributed").glob("*.py"), *(ROOT / "engine" / "executor").glob("*.py"),

@@ -4,7 +4,7 @@ parity tests (tests/parity.py, HF's `grouped_mm` experts pinned), logprobs withi
 speculative decoding and a JSON schema, expert parallelism on 2 ranks (gloo) equal to slicing, the load
 counted per expert, and the built-in MoE models.
 
-One engine per architecture runs every scheduler mode (tests/engine/test_parallel.py's `_use_variant`)."""
+One engine per architecture runs every scheduler mode (tests/engine/executor/test_parallel.py's `_use_variant`)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from engine.models.config import ModelConfig
 from engine.models.layers.fused_moe import FusedMoE, grouped_mm_available, route
 from kernels.cpu import missing_toolchain
 from tests.conftest import MOE_ARCHS, engines_by_arch
-from tests.engine.test_hf_parity import GREEDY, NEW_TOKENS, PROMPTS, SHARED_PROMPTS, VARIANTS
-from tests.engine.test_parallel import POOL as PARALLEL_POOL
-from tests.engine.test_parallel import _use_variant
+from tests.engine.executor.test_parallel import POOL as PARALLEL_POOL
+from tests.engine.executor.test_parallel import _use_variant
+from tests.engine.models.test_hf_parity import GREEDY, NEW_TOKENS, PROMPTS, SHARED_PROMPTS, VARIANTS
 from tests.parity import assert_tokens_match, hf_greedy
 
 # Hugging Face's default experts implementation on CPU, pinned: its float sums are the reference's.

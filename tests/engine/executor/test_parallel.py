@@ -16,7 +16,7 @@ import pytest
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
 from tests.conftest import engines_by_arch
-from tests.engine.test_hf_parity import GREEDY, NEW_TOKENS, PROMPTS, VARIANTS
+from tests.engine.models.test_hf_parity import GREEDY, NEW_TOKENS, PROMPTS, VARIANTS
 from tests.parity import assert_tokens_match, hf_greedy
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}

@@ -19,10 +19,10 @@ from engine import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
 from engine.core.block_hash import hash_block_chain
 from engine.lora.manager import LoRAManager
 from engine.lora.peft import load_peft_adapter
-from tests.engine.quantized_checkpoints import write_gptq
-from tests.engine.test_hf_parity import PROMPTS, _random_prompts
-from tests.engine.test_moe import HF_EXPERTS
-from tests.engine.test_quantization import LOGPROB_TOL, TIE, _oracle_online
+from tests.engine.models.quantized_checkpoints import write_gptq
+from tests.engine.models.test_hf_parity import PROMPTS, _random_prompts
+from tests.engine.models.test_moe import HF_EXPERTS
+from tests.engine.models.test_quantization import LOGPROB_TOL, TIE, _oracle_online
 from tests.lora_adapters import write_peft_adapter
 from tests.parity import TIE_THRESHOLD, assert_tokens_match, hf_greedy
 
