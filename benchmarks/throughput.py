@@ -96,8 +96,8 @@ def run_hf_continuous(model, reqs) -> tuple[int, float]:
 
 def step_overhead(llm: LLM, reqs, kind: RequestOutputKind, steps: int = 20) -> dict[str, float]:
     """Mean ms per decode step with every request running, split into the model (forward, logits,
-    sampler), scheduling + input preparation, and output processing (token bookkeeping, stop checks,
-    detokenization, RequestOutputs). FINAL_ONLY is LLM.generate's mode; DELTA is a server streaming every
+    sampler), scheduling + input preparation, and output processing (token bookkeeping, stop checks, the
+    core's token-id outputs, then detokenization and RequestOutputs). FINAL_ONLY is LLM.generate's mode; DELTA is a server streaming every
     request, which detokenizes and builds an output per request per step."""
     engine = llm.llm_engine
     core = engine.core
@@ -109,7 +109,8 @@ def step_overhead(llm: LLM, reqs, kind: RequestOutputKind, steps: int = 20) -> d
         engine.step()
     timings: dict[str, float] = defaultdict(float)
     hooks = [(model, "forward"), (model, "compute_logits"), (core.step_sampler, "sampler"), (core, "_execute"),
-             (core.scheduler, "schedule"), (core.scheduler, "update_from_output"), (engine, "_emit")]
+             (core.scheduler, "schedule"), (core.scheduler, "update_from_output"), (core, "_emit"),
+             (engine, "_process")]
     originals = []
     for obj, name in hooks:
         fn = getattr(obj, name)
@@ -138,7 +139,7 @@ def step_overhead(llm: LLM, reqs, kind: RequestOutputKind, steps: int = 20) -> d
         "model_ms": model,
         "schedule_ms": ms["schedule"],
         "input_prep_ms": ms["_execute"] - model,
-        "output_ms": ms["update_from_output"] + ms["_emit"],
+        "output_ms": ms["update_from_output"] + ms["_emit"] + ms["_process"],
     }
 
 

@@ -109,10 +109,13 @@ class EngineCore:
         self._in_flight: deque[tuple[StepPlan, float]] = deque()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, rendezvous: Rendezvous | None = None) -> EngineCore:
-        """For an engine process, which has no frontend to share the model's spec and tokenizer with."""
+    def from_config(cls, config: EngineConfig, rendezvous: Rendezvous | None = None,
+                    tokenizer: PreTrainedTokenizerBase | None = None) -> EngineCore:
+        """For an engine process, which shares no model spec with its frontend. `tokenizer`: the frontend's,
+        passed over (unpickling it takes 0.15 s; loading one takes 3-4 s, most of it transformers
+        importing the model's config classes to pick the tokenizer's)."""
         spec = ModelSpec.resolve(config)
-        return cls(config, spec, tokenizer_for(config, spec.path), rendezvous)
+        return cls(config, spec, tokenizer or tokenizer_for(config, spec.path), rendezvous)
 
     def _build_scheduler(self, num_blocks: int) -> Scheduler:
         config = self.config

@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+from transformers import PreTrainedTokenizerBase
+
 from engine.config import EngineConfig
 from engine.core.core_output import EngineCoreOutput
 from engine.core.engine_core import EngineCore
@@ -106,12 +108,12 @@ def heap_trimmer(period_s: float = TRIM_PERIOD_S, idle_gap_s: float = 1.0) -> Ca
 
 
 def run_engine_process(config: EngineConfig, rendezvous: Rendezvous | None, commands: Connection,
-                       events: Connection) -> None:
+                       events: Connection, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
     """Entry point of the engine process (started by engine/frontend/processes.py's fork server). A multi-rank
     engine's workers were started by the parent (a daemonic process cannot start processes), which
     hands over where they wait."""
     try:
-        core = EngineCore.from_config(config, rendezvous)
+        core = EngineCore.from_config(config, rendezvous, tokenizer)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         events.send(("dead", f"the engine failed to start: {type(e).__name__}: {e}"))
         return

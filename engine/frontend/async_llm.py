@@ -118,8 +118,9 @@ class AsyncLLM:
         ctx = process_context()
         commands_in, self._commands_out = ctx.Pipe(duplex=False)
         events_in, events_out = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=run_engine_process, args=(self.config, rendezvous, commands_in, events_out),
-                                    name="pagedserve-engine-core", daemon=True)
+        # The tokenizer goes along: the engine process needs it (grammars, EOS) and loading another costs seconds.
+        args = (self.config, rendezvous, commands_in, events_out, self.processor.tokenizer)
+        self._process = ctx.Process(target=run_engine_process, args=args, name="pagedserve-engine-core", daemon=True)
         self._process.start()
         commands_in.close()
         events_out.close()
