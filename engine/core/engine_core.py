@@ -314,7 +314,7 @@ class EngineCore:
                 r.external_id, r.index, new_token_ids, new_logprobs, r.cumulative_logprob, r.finish_reason,
                 r.stop_reason, r.error, max(r.num_cached_tokens, 0), prompt_logprobs,
                 r.kv_transfer_result if finished else None, r.first_scheduled_time, r.first_token_time,
-                r.last_token_time, r.finished_time, tuple(r.preempted_times), steps,
+                r.last_token_time, r.finished_time, tuple(r.preempted_times) if r.preempted_times else (), steps,
             ))
             if finished:
                 self._forget_if_done(r.external_id)

@@ -79,7 +79,8 @@ class _ParentState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.samples)
+        samples = self.samples
+        return samples[0].finish_reason is not None if len(samples) == 1 else all(s.finished for s in samples)
 
 
 class OutputProcessor:
@@ -140,12 +141,12 @@ class OutputProcessor:
         outputs = []
         for request_id, indices in touched.items():
             state = self._parents[request_id]
-            finished = state.finished
-            if state.params.output_kind is RequestOutputKind.FINAL_ONLY and not finished:
+            finished, kind, samples = state.finished, state.params.output_kind, state.samples
+            if kind is RequestOutputKind.FINAL_ONLY and not finished:
                 continue
-            chosen = sorted(set(indices)) if state.params.output_kind is RequestOutputKind.DELTA \
-                else range(len(state.samples))
-            outputs.append(self._make_output(state, [state.samples[i] for i in chosen], finished))
+            if len(samples) > 1 and kind is RequestOutputKind.DELTA:
+                samples = [samples[i] for i in sorted(set(indices))]
+            outputs.append(self._make_output(state, samples, finished))
             if finished:
                 del self._parents[request_id]
         return outputs, stopped
@@ -182,7 +183,7 @@ class OutputProcessor:
             if state.params.output_kind is not RequestOutputKind.DELTA or not state.prompt_logprobs_sent:
                 prompt_logprobs = state.prompt_logprobs
                 state.prompt_logprobs_sent = True
-        errors = [s.error for s in state.samples if s.error]
+        error = next((s.error for s in state.samples if s.error), None)
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -192,7 +193,7 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
             metrics=_metrics(state, finished),
-            error=errors[0] if errors else None,
+            error=error,
             kv_transfer_params=state.kv_transfer_params if finished else None,
         )
 
