@@ -97,8 +97,8 @@ def run_hf_continuous(model, reqs) -> tuple[int, float]:
 def step_overhead(llm: LLM, reqs, kind: RequestOutputKind, steps: int = 20) -> dict[str, float]:
     """Mean ms per decode step with every request running, split into the model (forward, logits,
     sampler), scheduling + input preparation, and output processing (token bookkeeping, stop checks, the
-    core's token-id outputs, then detokenization and RequestOutputs). FINAL_ONLY is LLM.generate's mode; DELTA is a server streaming every
-    request, which detokenizes and builds an output per request per step."""
+    core's token-id outputs, then detokenization and RequestOutputs). FINAL_ONLY is LLM.generate's mode;
+    DELTA is a server streaming every request, which detokenizes and builds an output per request per step."""
     engine = llm.llm_engine
     core = engine.core
     model = core.executor.driver_worker.model
