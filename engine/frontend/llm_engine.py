@@ -24,12 +24,12 @@ from engine.tokenizer import tokenizer_for
 
 
 class LLMEngine:
-    """Not thread-safe: one thread drives it (LLM's caller, or AsyncLLM's engine loop); other threads
+    """Not thread-safe: one thread drives it (LLM's caller); other threads
     may only call `prepare_request`, `tokenize` and `apply_chat_template`."""
 
     def __init__(self, config: EngineConfig, rendezvous: Rendezvous | None = None) -> None:
-        """`rendezvous`: workers of a multi-rank engine that a launcher already started (AsyncLLM, the
-        serving app); without it a multi-rank engine spawns its own (`mp`)."""
+        """`rendezvous`: workers of a multi-rank engine that a launcher already started; without it a
+        multi-rank engine spawns its own (`mp`)."""
         self.config = config
         spec = ModelSpec.resolve(config)
         self.model_config = spec.model_config
