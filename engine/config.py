@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.kv_transfer.config import KVTransferConfig
 from engine.spec_decode.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from engine.models.config import ModelConfig
 
 
 class EngineConfig(BaseModel):
@@ -205,3 +208,19 @@ class EngineConfig(BaseModel):
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The context length an engine runs this model with: `max_model_len` if the model allows it, else
+    the model's own limit."""
+    limit = model_config.max_position_embeddings
+    if model_config.sliding_window:  # we attend over the full context: exact only within the window
+        limit = min(limit, model_config.sliding_window)
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len: {config.max_model_len} exceeds the model's limit of {limit} tokens "
+            "(max_position_embeddings, or sliding_window)"
+        )
+    return config.max_model_len

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, resolve_max_model_len
 from engine.distributed import GroupCoordinator, ParallelGroups, ParallelLayout, parallel_groups
 from engine.models.builtin import BUILTIN_MODELS
 from engine.models.config import ModelConfig
 from engine.models.layers.quantization import QuantizationConfig, resolve_quant_config
-from engine.models.loader import resolve_model_path
+from engine.models.model_path import resolve_model_path
 from engine.models.registry import model_class
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,20 +79,6 @@ def engine_model_config(config: EngineConfig, model_config: ModelConfig) -> Mode
     if model_config.moe is None:
         return model_config
     return replace(model_config, moe=replace(model_config.moe, expert_parallel=config.enable_expert_parallel))
-
-
-def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    limit = model_config.max_position_embeddings
-    if model_config.sliding_window:  # we attend over the full context: exact only within the window
-        limit = min(limit, model_config.sliding_window)
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len: {config.max_model_len} exceeds the model's limit of {limit} tokens "
-            "(max_position_embeddings, or sliding_window)"
-        )
-    return config.max_model_len
 
 
 def resolve_device_type(device: str) -> str:

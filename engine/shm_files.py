@@ -27,6 +27,11 @@ def owned_prefix(kind: str) -> str:
     return f"{_PREFIX}-{kind}-{os.getpid()}-"
 
 
+def staged_path(directory: str, name: str, rank: int) -> Path:
+    """Where one rank's part of a staged KV lives."""
+    return Path(directory) / f"{name}.rank{rank}.kv"
+
+
 def owner(name: str) -> tuple[str, int] | None:
     """(kind, owner's pid) of one of our file names; None for any other name."""
     parts = name.split("-", 3)

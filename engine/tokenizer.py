@@ -3,11 +3,17 @@ end a generation, and what the tokenizer lets us know about a text's length in t
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+import transformers
+from transformers import PreTrainedTokenizerBase
+
+from engine.models.builtin import cache_root
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -21,11 +27,59 @@ _NORMALIZER_SHRINK = {"NFC": 4, "NFKC": 4, "NFD": 1, "NFKD": 1, "Lowercase": 1, 
 _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
 
 
+# Files whose content AutoTokenizer's choice of class depends on.
+_CLASS_INPUTS = ("tokenizer_config.json", "config.json", "tokenizer.json")
+
+
 def load_tokenizer(name_or_path: str | Path, revision: str | None = None) -> PreTrainedTokenizerBase:
+    """AutoTokenizer's tokenizer for a checkpoint. The class AutoTokenizer chooses for a local folder is
+    remembered (in the cache folder, per transformers version and the files it reads to choose): choosing
+    reads the model's config through transformers' config classes, which import torch (2-3 s and ~200 MiB
+    in a process that only tokenizes: the ingress, an engine replica's front-end); the class itself loads
+    without it."""
+    path = Path(name_or_path).expanduser()
+    record = _class_record(path) if path.is_dir() else None
     try:
-        return AutoTokenizer.from_pretrained(str(name_or_path), revision=revision)
+        tokenizer_class = _remembered_class(record) if record else None
+        if tokenizer_class is not None:
+            return tokenizer_class.from_pretrained(str(path))
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), revision=revision)
     except (OSError, ValueError) as e:
         raise ValueError(f"tokenizer: cannot load a tokenizer from {name_or_path!s}: {e}") from e
+    if record is not None and getattr(transformers, type(tokenizer).__name__, None) is type(tokenizer):
+        _remember_class(record, type(tokenizer).__name__)
+    return tokenizer
+
+
+def _class_record(path: Path) -> Path:
+    key = [transformers.__version__, str(path.resolve())]
+    for name in _CLASS_INPUTS:
+        stat = (path / name).stat() if (path / name).is_file() else None
+        key.append(f"{name}:{stat.st_size}:{stat.st_mtime_ns}" if stat else f"{name}:-")
+    return cache_root() / "tokenizer-classes" / hashlib.sha256("\n".join(key).encode()).hexdigest()[:24]
+
+
+def _remembered_class(record: Path) -> type[PreTrainedTokenizerBase] | None:
+    try:
+        name = record.read_text().strip()
+    except OSError:
+        return None
+    tokenizer_class = getattr(transformers, name, None)
+    is_tokenizer = isinstance(tokenizer_class, type) and issubclass(tokenizer_class, PreTrainedTokenizerBase)
+    return tokenizer_class if is_tokenizer else None
+
+
+def _remember_class(record: Path, name: str) -> None:
+    try:  # atomically, as replicas start together; a read-only cache only costs the next load its seconds
+        record.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=record.parent, prefix=".")
+        with os.fdopen(fd, "w") as f:
+            f.write(name)
+        os.replace(tmp, record)
+    except OSError:
+        pass
 
 
 def tokenizer_for(config: EngineConfig, model_path: str | Path) -> PreTrainedTokenizerBase:

@@ -9,13 +9,16 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from typing import TYPE_CHECKING
 
 from engine.frontend.input_processor import InputProcessor
 from engine.sampling_params import StructuredOutputsParams
-from engine.structured_output import GrammarCompiler
 from engine.tokenizer import resolve_eos_token_ids
 from serve_app.errors import APIError
 from serve_app.protocol.openai import SamplingFields
+
+if TYPE_CHECKING:
+    from engine.structured_output.grammar import GrammarCompiler
 
 
 def requested_format(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str]:
@@ -56,6 +59,9 @@ class FormatValidator:
     def _compile(self, params: StructuredOutputsParams) -> None:
         with self._lock:
             if self._compiler is None:
+                # xgrammar imports torch (4 s, ~200 MiB): an ingress pays for it at its first structured request.
+                from engine.structured_output.grammar import GrammarCompiler
+
                 p = self._processor
                 stop = resolve_eos_token_ids(p.model_config, p.tokenizer)  # as the replica's engine: same grammar
                 self._compiler = GrammarCompiler(p.tokenizer, p.model_config.vocab_size, stop)

@@ -30,7 +30,6 @@ from serve_app.cpu_utilization import CpuUtilization
 from serve_app.disaggregation.orchestrator import PDSettings, PrefillOrchestrator
 from serve_app.disaggregation.transfer import KVFetchRequest, KVFetchResult, PrefillResult, put_staged
 from serve_app.metrics import DisaggregationMetrics, EngineMetrics, RecentTTFT
-from serve_app.ray_workers import RayWorkerLauncher
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +74,8 @@ class LLMServer:
         config = EngineConfig(**engine_config)
         launcher = None
         if config.world_size > 1 and config.distributed_executor_backend == "ray":
+            from serve_app.ray_workers import RayWorkerLauncher  # torch's TCPStore: only a multi-rank replica
+
             launcher = RayWorkerLauncher(worker_bundle or {}, name=f"pagedserve-{replica_id}")
         self.llm = AsyncLLM(config, launcher)
         try:

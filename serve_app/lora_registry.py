@@ -36,7 +36,6 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.errors import RequestFailedError
-from engine.lora.peft import load_peft_adapter
 from engine.lora.request import LoRARequest
 from engine.models.config import ModelConfig
 
@@ -188,6 +187,8 @@ class LoRARegistry:
         return resolved
 
     def _digest(self, name: str, int_id: int, path: str, field: str) -> str:
+        from engine.lora.peft import load_peft_adapter  # reads the tensors with torch: only when adapters load
+
         try:
             return load_peft_adapter(name, int_id, path, self.model_config, self.max_lora_rank).digest
         except ValueError as e:

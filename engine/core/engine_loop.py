@@ -13,7 +13,8 @@ a stop string ended), ("release_kv", request_id), ("shutdown", None) and emits e
     ("rejected", request_id, ValueError)                        an add the engine refused
     ("cache_summary", bytes)                                    the prefix cache's blocks, when changed
                                                                 (at most every SUMMARY_PERIOD_S)
-    ("dead", message)                                           a fatal error; the loop has ended"""
+    ("dead", message)                                           a fatal error; the loop has ended (at start,
+                                                                a ValueError for a config it cannot run)"""
 
 from __future__ import annotations
 
@@ -23,13 +24,16 @@ import logging
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.core.core_output import EngineCoreOutput
-from engine.core.engine_core import EngineCore
-from engine.executor import Rendezvous
+
+if TYPE_CHECKING:  # a frontend names run_engine_process without importing the engine (and torch)
+    from transformers import PreTrainedTokenizerBase
+
+    from engine.core.engine_core import EngineCore
+    from engine.executor import Rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +116,13 @@ def run_engine_process(config: EngineConfig, rendezvous: Rendezvous | None, comm
     """Entry point of the engine process (started by engine/frontend/processes.py's fork server). A multi-rank
     engine's workers were started by the parent (a daemonic process cannot start processes), which
     hands over where they wait."""
+    from engine.core.engine_core import EngineCore
+
     try:
         core = EngineCore.from_config(config, rendezvous, tokenizer)
+    except ValueError as e:  # a config the model cannot run: the parent raises it as the ValueError it is
+        events.send(("dead", ValueError(str(e))))
+        return
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         events.send(("dead", f"the engine failed to start: {type(e).__name__}: {e}"))
         return

@@ -23,20 +23,21 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
 from engine.core.engine_loop import run_engine_loop, run_engine_process
 from engine.core.prepared_request import PreparedRequest
 from engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
-from engine.executor import Rendezvous, WorkerLauncher
 from engine.frontend.input_processor import InputProcessor
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.processes import process_context
 from engine.lora.request import LoRARequest
-from engine.model_spec import ModelSpec
 from engine.outputs import RequestOutput, merge_deltas
 from engine.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:  # the engine (and torch) is imported where it runs: this process only with multiprocess off
+    from engine.executor import Rendezvous, WorkerLauncher
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,6 @@ class AsyncLLM:
         self._dead: EngineDeadError | None = None
         self._stopping = False
         self.cache_summary = b""  # packed uint64 short hashes of the cached blocks (for routers)
-        # Checks the config against the model (ModelSpec's checks) before any worker starts.
         self.processor = InputProcessor.from_config(config)
         # Touched only by the thread that receives the core's outputs (_on_event); requests reach it through
         # _added, which that thread drains before each step's outputs (an add is queued before it is sent).
@@ -89,6 +89,9 @@ class AsyncLLM:
         self._added: queue.SimpleQueue[PreparedRequest] = queue.SimpleQueue()
         rendezvous = None
         if config.world_size > 1 and (config.multiprocess or launcher is not None):
+            from engine.model_spec import check_config
+
+            check_config(config, self.processor.model_config)  # before any worker starts for it
             if self._launcher is None:
                 from engine.executor.multiproc import ProcessLauncher
 
@@ -99,6 +102,9 @@ class AsyncLLM:
                 self.core = None  # lives in the engine process
                 self._start_process(rendezvous)
             else:
+                from engine.core.engine_core import EngineCore
+                from engine.model_spec import ModelSpec
+
                 self.core = EngineCore(config, ModelSpec.resolve(config), self.processor.tokenizer, rendezvous)
         except BaseException:
             if self._launcher is not None:
@@ -139,7 +145,7 @@ class AsyncLLM:
             raise
         if kind != "ready":
             self._process.join(5)
-            raise RuntimeError(payload)
+            raise payload if isinstance(payload, ValueError) else RuntimeError(payload)
         self.stats = payload
         self._thread = threading.Thread(target=self._read_process_events, name="pagedserve-engine-events", daemon=True)
 

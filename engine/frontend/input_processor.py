@@ -9,13 +9,12 @@ import time
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, resolve_max_model_len
 from engine.core.block_hash import hash_block_chain
 from engine.core.prepared_request import PreparedRequest
 from engine.lora.request import LoRARequest
-from engine.model_spec import check_config, resolve_max_model_len
 from engine.models.config import ModelConfig
-from engine.models.loader import resolve_model_path
+from engine.models.model_path import resolve_model_path
 from engine.sampling_params import SamplingParams
 from engine.text_validation import check_text
 from engine.tokenizer import max_chars_per_token, tokenizer_for
@@ -50,11 +49,11 @@ class InputProcessor:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> InputProcessor:
-        """Without the weights: for a process that validates requests but runs no model. It refuses a
-        config the model cannot run (ModelSpec's checks) before anything is started for it."""
+        """Without the weights or torch: for a process that validates requests but runs no model. Whether
+        the model can run the way the config asks is ModelSpec's check (engine/model_spec.py check_config),
+        made where a model is built or before anything starts for it (the serving app's build_app)."""
         path = resolve_model_path(config.model, config.revision, weights=False)
         model_config = ModelConfig.from_pretrained(path)
-        check_config(config, model_config)
         tokenizer = tokenizer_for(config, path)
         return cls(config, model_config, tokenizer, resolve_max_model_len(config, model_config))
 

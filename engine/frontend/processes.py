@@ -14,7 +14,7 @@ import multiprocessing
 from multiprocessing.context import BaseContext
 
 # Everything an engine process or a rank runs; a failed import only means the child imports it itself.
-_PRELOAD = ["engine.core.engine_loop", "engine.executor.worker"]
+_PRELOAD = ["engine.core.engine_loop", "engine.core.engine_core", "engine.executor.worker"]
 
 
 def process_context() -> BaseContext:

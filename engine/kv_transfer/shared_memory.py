@@ -16,7 +16,6 @@ import hashlib
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ import torch
 from engine.core.request import Request, RequestStatus
 from engine.kv_transfer.base import KVConnector, KVConnectorMetadata, KVLayout, KVLoad, KVSave
 from engine.kv_transfer.config import KVTransferConfig
-from engine.shm_files import check_writable_dir, owner, sweep
+from engine.shm_files import check_writable_dir, owner, staged_path, sweep
 from kernels.attention.backend import kv_rows
 
 logger = logging.getLogger(__name__)
@@ -36,10 +35,6 @@ def is_staged_name(name: Any) -> bool:
     """A staged KV's name as an engine or a decode replica makes it (engine/shm_files.py): nothing else may
     name a file this connector reads or deletes."""
     return isinstance(name, str) and "/" not in name and (owner(name) or ("", 0))[0] in ("kv", "rx")
-
-
-def staged_path(directory: str, name: str, rank: int) -> Path:
-    return Path(directory) / f"{name}.rank{rank}.kv"
 
 
 

@@ -26,11 +26,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
 from engine.models.config import ModelConfig
-from engine.models.registry import model_class
 
 _ARCH = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
 _COMMON = {
@@ -146,6 +142,12 @@ def materialize_builtin(name: str) -> Path:
 
 
 def write_checkpoint(path: Path, spec: dict, seed: int) -> None:
+    # Here, not at the top: processes that only tokenize (the ingress) read this module without torch.
+    import torch
+    from safetensors.torch import save_file
+
+    from engine.models.registry import model_class
+
     (path / "config.json").write_text(json.dumps(spec, indent=2))
     (path / "generation_config.json").write_text(
         json.dumps({"bos_token_id": spec["bos_token_id"], "eos_token_id": spec["eos_token_id"]})

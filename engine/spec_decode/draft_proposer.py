@@ -24,7 +24,7 @@ from engine.executor.worker import Worker
 from engine.model_spec import ModelSpec
 from engine.models.config import ModelConfig
 from engine.models.layers.quantization import QuantizationConfig, resolve_quant_config
-from engine.models.loader import resolve_model_path
+from engine.models.model_path import resolve_model_path
 from engine.sample.sampler import build_sampling_metadata, processed_probs
 from engine.spec_decode.rejection_sampler import draw
 

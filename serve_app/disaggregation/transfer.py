@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import ray
 
-from engine.kv_transfer.shared_memory import staged_path
+from engine.shm_files import staged_path
 
 
 @dataclass

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from engine import EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
-from engine.kv_transfer.shared_memory import staged_path
+from engine.shm_files import staged_path
 from tests.engine.models.test_hf_parity import PROMPTS
 
 # FINAL_ONLY: the final output's metrics then hold every step the request took part in.
