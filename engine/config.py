@@ -214,13 +214,11 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
     """The context length an engine runs this model with: `max_model_len` if the model allows it, else
     the model's own limit."""
     limit = model_config.max_position_embeddings
-    if model_config.sliding_window:  # we attend over the full context: exact only within the window
-        limit = min(limit, model_config.sliding_window)
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:
         raise ValueError(
             f"max_model_len: {config.max_model_len} exceeds the model's limit of {limit} tokens "
-            "(max_position_embeddings, or sliding_window)"
+            "(max_position_embeddings)"
         )
     return config.max_model_len

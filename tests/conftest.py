@@ -41,6 +41,7 @@ _SMALL = dict(
 
 def _arch_configs():
     from transformers import (
+        Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -76,10 +77,19 @@ def _arch_configs():
                                     num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1]),
         "qwen3_moe": Qwen3MoeConfig(**_SMALL, head_dim=32, moe_intermediate_size=32, num_experts=8,
                                     num_experts_per_tok=4, norm_topk_prob=True),
+        # 6 layers, 5 sliding (a window of 32, shorter than most prompts) to 1 global; the global layers' rotary
+        # base and linear scaling differ from the local ones'; scores scaled by a query_pre_attn_scalar that is
+        # not head_dim; final logits soft-capped.
+        "gemma3": Gemma3TextConfig(**{**_SMALL, "num_hidden_layers": 6}, head_dim=32, sliding_window=32,
+                                   query_pre_attn_scalar=24, final_logit_softcapping=30.0, pad_token_id=0,
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                      "rope_theta": 1_000_000.0},
+                                                    "sliding_attention": {"rope_type": "default",
+                                                                          "rope_theta": 10_000.0}}),
     }
 
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 
 
@@ -98,11 +108,16 @@ def write_hf_checkpoint(arch: str, path: Path, max_shard_size: str | None = None
                 p.copy_(0.05 * torch.randn_like(p))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
+    copy_builtin_tokenizer(path)
+    return path
+
+
+def copy_builtin_tokenizer(path: Path) -> None:
+    """The built-in models' tokenizer (and chat template) into a checkpoint folder a test wrote."""
     tiny = materialize_builtin(TINY)
     for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "chat_template.jinja"):
         if (tiny / f).exists():
             shutil.copy(tiny / f, path / f)
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -124,8 +124,10 @@ class Worker:
     def init_kv_cache(self, num_blocks: int) -> None:
         layer = self.model.attention_layers[0]
         backend_cls = get_attention_backend(self.config.attention_backend, self.device.type)
+        windows = tuple({a.sliding_window for a in self.model.attention_layers if a.sliding_window})
         self.attn_backend = backend_cls(layer.num_heads, layer.num_kv_heads, layer.head_dim, self.config.block_size,
-                                        num_blocks, self.spec.dtype, self.device)
+                                        num_blocks, self.spec.dtype, self.device, scale=layer.scale,
+                                        sliding_windows=windows)
         # Zeroed, not empty: padded gathers read unwritten slots, and garbage could hold NaNs.
         for attn in self.model.attention_layers:
             attn.kv_cache = torch.zeros(self.attn_backend.kv_cache_shape(), dtype=self.spec.dtype, device=self.device)

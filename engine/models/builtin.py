@@ -42,6 +42,10 @@ _COMMON = {
 }
 _MOE_ARCH = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu",
              "num_local_experts": 8, "num_experts_per_tok": 2, "router_jitter_noise": 0.0}
+# Gemma 3's shape at toy size: 6 layers, 5 of them over a 64-token window, to 1 global.
+_GEMMA3_ARCH = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 64, "rope_local_base_freq": 10000.0,
+                "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
 BUILTIN_MODELS: dict[str, dict] = {
     "pagedserve-tiny": {
         **_ARCH, **_COMMON, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
@@ -63,6 +67,11 @@ BUILTIN_MODELS: dict[str, dict] = {
     "pagedserve-56m-moe": {
         **_MOE_ARCH, **_COMMON, "hidden_size": 512, "intermediate_size": 704, "num_hidden_layers": 8,
         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+    },
+    "pagedserve-tiny-gemma3": {
+        **_COMMON, **_GEMMA3_ARCH, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 6,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
+        "rope_theta": 1_000_000.0, "tie_word_embeddings": True,
     },
 }
 
@@ -112,7 +121,8 @@ _FORMAT_VERSION = 1  # bump when the files written below change
 # Seeds of the random weights, fixed per model so that the files around them (the chat template, the
 # tokenizer's config) can change without changing the weights. A model not listed seeds from its spec.
 _WEIGHT_SEEDS = {"pagedserve-tiny": 0x24A9A3D7, "pagedserve-56m": 0x7BED96D1, "pagedserve-600m": 0x600D5EED,
-                 "pagedserve-tiny-moe": 0x5E1F0C2B, "pagedserve-56m-moe": 0x3A7C94E5}
+                 "pagedserve-tiny-moe": 0x5E1F0C2B, "pagedserve-56m-moe": 0x3A7C94E5,
+                 "pagedserve-tiny-gemma3": 0x6E3A3001}
 
 
 def cache_root() -> Path:

@@ -21,13 +21,27 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "MixtralForCausalLM": {},
     "Qwen2MoeForCausalLM": {"qkv_bias": True, "o_proj_bias": False},
     "Qwen3MoeForCausalLM": {"qk_norm": True},
+    # engine/models/gemma3.py: Gemma's norms and embedding scale, 5 sliding-window layers to 1 global. The
+    # multimodal checkpoints (4B, 12B, 27B) serve their language model, text only.
+    "Gemma3ForCausalLM": {"qk_norm": True},
+    "Gemma3ForConditionalGeneration": {"qk_norm": True},
 }
 # Where each MoE architecture's config.json counts its experts: transformers 5 writes `num_local_experts`
 # for Qwen3-MoE (an attribute_map) where hub files say `num_experts`; DeepSeek says `n_routed_experts`.
 MOE_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
 # Qwen configs carry a sliding_window that only applies with use_sliding_window.
-_QWEN_SLIDING_FLAG = frozenset({"Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
+_QWEN_SLIDING_FLAG = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+_GEMMA3 = frozenset({"Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"})
+# Gemma3TextConfig's defaults: hub files (the multimodal ones' text_config above all) leave them out.
+_GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072,
+                    "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "tie_word_embeddings": True,
+                    "bos_token_id": 2, "eos_token_id": 1, "sliding_window_pattern": 6}
+SLIDING, FULL = "sliding_attention", "full_attention"
+_ROPE_TYPES = ("default", "llama3", "linear")
 
 
 @dataclass(frozen=True)
@@ -91,13 +105,28 @@ class ModelConfig:
     o_proj_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    sliding_window: int | None
+    sliding_window: int | None  # the window of the layers layer_types calls sliding
     torch_dtype: str | None
     initializer_range: float
     bos_token_id: int | None
     eos_token_ids: list[int] = field(default_factory=list)
     quantization_config: dict[str, Any] | None = None  # the checkpoint's, as config.json has it
     moe: MoEConfig | None = None  # experts, for mixture-of-experts architectures
+    layer_types: tuple[str, ...] = ()  # per layer, SLIDING or FULL; empty: every layer full
+    hidden_act: str = "silu"  # of the MLP's gate
+    query_pre_attn_scalar: float | None = None  # attention scores scale by its inverse root (None: head_dim)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # The sliding layers' rotary base and scaling, where they differ from the full layers' (Gemma 3).
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
+
+    def sliding_window_of(self, layer: int) -> int | None:
+        """The window layer `layer` attends over (the last this-many positions, its own included), or None."""
+        return self.sliding_window if self.layer_types and self.layer_types[layer] == SLIDING else None
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -109,12 +138,17 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         flags = SUPPORTED_ARCHITECTURES[arch]
+        if arch in _GEMMA3:
+            raw = _gemma3_text_config(raw)
+            _refuse_gemma3_options(raw)
         heads = raw["num_attention_heads"]
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"model: rope type {rope_type!r} is not supported (default, llama3)")
+        local_rope: dict[str, Any] | None = None
+        if FULL in rope or SLIDING in rope:  # transformers 5 writes one set per layer type (Gemma 3)
+            rope, local_rope = dict(rope.get(FULL) or {}), dict(rope.get(SLIDING) or {})
+        rope_theta, rope_scaling = _rope(rope, raw.get("rope_theta", 10000.0))
+        local_theta, local_scaling = (_rope(local_rope or {}, raw.get("rope_local_base_freq", rope_theta))
+                                      if local_rope is not None or "rope_local_base_freq" in raw else (None, None))
         eos = raw.get("eos_token_id")
         sliding = raw.get("sliding_window")
         if arch in _QWEN_SLIDING_FLAG and not raw.get("use_sliding_window", False):
@@ -131,7 +165,7 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             rope_theta=rope_theta,
-            rope_scaling=rope if rope_type == "llama3" else None,
+            rope_scaling=rope_scaling,
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             qkv_bias=raw.get("qkv_bias", flags.get("qkv_bias", raw.get("attention_bias", False))),
             o_proj_bias=flags.get("o_proj_bias", raw.get("attention_bias", False)),
@@ -144,8 +178,69 @@ class ModelConfig:
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             quantization_config=raw.get("quantization_config"),
             moe=MoEConfig.from_dict(arch, raw) if arch in MOE_ARCHITECTURES else None,
+            layer_types=_layer_types(arch, raw, sliding),
+            hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
+            query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
+            final_logit_softcapping=raw.get("final_logit_softcapping"),
+            local_rope_theta=local_theta,
+            local_rope_scaling=local_scaling,
         )
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+
+
+def _rope(params: dict[str, Any], theta: float) -> tuple[float, dict[str, Any] | None]:
+    """(base, scaling or None) of one set of rotary parameters."""
+    params = dict(params)
+    theta = float(params.pop("rope_theta", theta))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in _ROPE_TYPES:
+        raise ValueError(f"model: rope type {rope_type!r} is not supported ({', '.join(_ROPE_TYPES)})")
+    return theta, None if rope_type == "default" else {**params, "rope_type": rope_type}
+
+
+def _layer_types(arch: str, raw: dict[str, Any], sliding: int | None) -> tuple[str, ...]:
+    """Which layers attend over a window: the config's layer_types (transformers 5 writes them), else each
+    family's rule as Hugging Face's code has it (Gemma 3: every sliding_window_pattern-th layer is full; Qwen2
+    and Qwen3: layers from max_window_layers on; Qwen2-MoE: even layers below it; the others: all)."""
+    n = raw["num_hidden_layers"]
+    if not sliding:
+        return ()
+    if raw.get("layer_types"):
+        types = tuple(raw["layer_types"])
+        if len(types) != n or not set(types) <= {SLIDING, FULL}:
+            raise ValueError(f"model: layer_types must name {n} layers, each {SLIDING!r} or {FULL!r}")
+        return types
+    if arch in _GEMMA3:
+        pattern = raw.get("sliding_window_pattern", 6)
+        return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(n))
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        first = raw.get("max_window_layers", 28)
+        return tuple(SLIDING if i >= first else FULL for i in range(n))
+    if arch == "Qwen2MoeForCausalLM":
+        last = raw.get("max_window_layers", 28)
+        return tuple(SLIDING if (i + 1) % 2 and i < last else FULL for i in range(n))
+    return (SLIDING,) * n
+
+
+def _gemma3_text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: a multimodal checkpoint nests it in text_config; defaults filled in."""
+    text = raw.get("text_config") or {}
+    merged = {**_GEMMA3_DEFAULTS, **raw, **text}
+    merged.pop("text_config", None)
+    merged["architectures"] = raw["architectures"]
+    if "quantization_config" in raw:
+        merged["quantization_config"] = raw["quantization_config"]
+    if "eos_token_id" in raw:  # the multimodal checkpoints' end of turn is at the top level
+        merged["eos_token_id"] = raw["eos_token_id"]
+    return merged
+
+
+def _refuse_gemma3_options(raw: dict[str, Any]) -> None:
+    if raw.get("attn_logit_softcapping") is not None:
+        raise ValueError("model: attn_logit_softcapping is not supported (Gemma 2's soft-capped attention scores); "
+                         "Gemma 3 checkpoints leave it null")
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("model: use_bidirectional_attention is not supported: the engine decodes causally")

@@ -33,13 +33,17 @@ from kernels.attention import AttentionBackend
 
 # What a pipeline stage hands the next one: (hidden states, residual).
 IntermediateTensors = tuple[torch.Tensor, torch.Tensor]
+# The MLP gate's activation, by the config's name (hidden_act, or Gemma's hidden_activation).
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, quant_config: QuantizationConfig | None,
-                 prefix: str) -> None:
+                 prefix: str, layer: int) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
+        self.scale = cfg.attention_scale
+        self.sliding_window = cfg.sliding_window_of(layer)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, bias=cfg.qkv_bias, quant_config=quant_config,
                                           prefix=f"{prefix}.qkv_proj")
@@ -50,11 +54,13 @@ class Attention(nn.Module):
                                         quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.rope = rope
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = self.norm_cls(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = self.norm_cls(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         self.kv_cache = torch.empty(0)  # bound by the worker (Worker.init_kv_cache)
+
+    norm_cls: type[nn.Module] = RMSNorm  # Gemma's differs
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         n = x.shape[0]
@@ -65,7 +71,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
-        out = backend.forward(q, k, v, self.kv_cache)
+        out = backend.forward(q, k, v, self.kv_cache, self.sliding_window)
         return self.o_proj(out.view(n, self.q_size))
 
 
@@ -81,18 +87,23 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias, quant_config=quant_config,
                                            prefix=f"{prefix}.down_proj", reduce_results=reduce_results)
 
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
+    attention_cls: type[Attention] = Attention
+    norm_cls: type[nn.Module] = RMSNorm
+
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, quant_config: QuantizationConfig | None,
-                 prefix: str) -> None:
+                 prefix: str, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rope, quant_config, f"{prefix}.self_attn")
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = self.attention_cls(cfg, rope, quant_config, f"{prefix}.self_attn", layer)
+        self.post_attention_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = self.make_mlp(cfg, quant_config, f"{prefix}.mlp")
 
     def make_mlp(self, cfg: ModelConfig, quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
@@ -111,6 +122,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    norm_cls: type[nn.Module] = RMSNorm
+
     def __init__(self, cfg: ModelConfig, quant_config: QuantizationConfig | None, prefix: str = "model",
                  layer_cls: type[DecoderLayer] = DecoderLayer) -> None:
         super().__init__()
@@ -119,17 +132,24 @@ class LlamaModel(nn.Module):
         self.start_layer, self.end_layer = pp_layer_range(cfg.num_hidden_layers, pp.rank_in_group, pp.size)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if pp.is_first else None
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        local_rope = rope
+        if cfg.local_rope_theta is not None:  # Gemma 3's sliding layers rotate with a base of their own
+            local_rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta,
+                                         cfg.local_rope_scaling)
         # Other stages' layers are placeholders, so that parameter names keep the checkpoint's indices.
         self.layers = nn.ModuleList(
-            layer_cls(cfg, rope, quant_config, f"{prefix}.layers.{i}") if self.start_layer <= i < self.end_layer
-            else nn.Identity()
+            layer_cls(cfg, local_rope if cfg.sliding_window_of(i) else rope, quant_config, f"{prefix}.layers.{i}", i)
+            if self.start_layer <= i < self.end_layer else nn.Identity()
             for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pp.is_last else None
+        self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps) if pp.is_last else None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids, positions, backend, intermediate: IntermediateTensors | None = None):
         if self.is_first_stage:
-            x, residual = self.embed_tokens(input_ids), None
+            x, residual = self.embed(input_ids), None
         else:
             x, residual = intermediate
         for layer in self.layers[self.start_layer : self.end_layer]:
@@ -150,13 +170,14 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     decoder_layer_cls: type[DecoderLayer] = DecoderLayer
+    model_cls: type[LlamaModel] = LlamaModel
 
     def __init__(self, cfg: ModelConfig, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = cfg
         if quant_config is not None:
             quant_config.fused_modules = self.fused_modules()
-        self.model = LlamaModel(cfg, quant_config, layer_cls=self.decoder_layer_cls)
+        self.model = self.model_cls(cfg, quant_config, layer_cls=self.decoder_layer_cls)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if self.model.is_last_stage else None
         if cfg.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.tie_to(self.model.embed_tokens)

@@ -60,7 +60,11 @@ class AttentionBackend(ABC):
         num_blocks: int,
         dtype: torch.dtype,
         device: torch.device,
+        scale: float | None = None,
+        sliding_windows: tuple[int, ...] = (),
     ) -> None:
+        """`scale`: of the attention scores (default head_dim ** -0.5); `sliding_windows`: the windows some
+        layers attend over (each `forward` names its layer's), so that a plan can prepare for each."""
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
         self.num_heads = num_heads
@@ -70,7 +74,8 @@ class AttentionBackend(ABC):
         self.num_blocks = num_blocks
         self.dtype = dtype
         self.device = device
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.sliding_windows = tuple(sorted(set(sliding_windows)))
 
     @abstractmethod
     def kv_cache_shape(self) -> tuple[int, ...]:
@@ -81,6 +86,8 @@ class AttentionBackend(ABC):
         """Prepare for one step's forward; called once per step, before any layer."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                sliding_window: int | None = None) -> torch.Tensor:
         """Store k, v [num_tokens, num_kv_heads, head_dim] in kv_cache, then attend q
-        [num_tokens, num_heads, head_dim] causally over each sequence's context. Returns q's shape."""
+        [num_tokens, num_heads, head_dim] causally over each sequence's context (with `sliding_window`, one of
+        the backend's: over the last this-many positions, the query's own included). Returns q's shape."""

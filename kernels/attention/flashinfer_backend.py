@@ -2,7 +2,9 @@
 chunks (with cached context in front) through BatchPrefillWithPagedKVCacheWrapper, both over the NHD
 layout the torch backend uses too. FlashInfer wants each sequence's pages as CSR (indptr, indices,
 last page length); `paged_kv_csr` builds them from the block tables once per step, and `plan` hands
-them to both wrappers, which then serve every layer of the step.
+them to both wrappers, which then serve every layer of the step. Sliding-window layers get a pair of
+wrappers of their own per window, planned with FlashInfer's `window_left` (window - 1: the query's own
+position plus that many before it).
 
 Unverified here: our CPU-only machines cannot run FlashInfer's kernels. benchmarks/gpu_check.sh compares
 them with the torch backend on a GPU where flashinfer can be installed (its wheel is larger than what a run
@@ -40,10 +42,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         super().__init__(*args, **kwargs)
         import flashinfer
 
-        workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         group = self.num_heads // self.num_kv_heads
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=group >= 4)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        # window (None: full attention) -> (decode wrapper, prefill wrapper); each pair plans into its own workspace
+        self._wrappers = {}
+        for window in (None, *self.sliding_windows):
+            workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+            self._wrappers[window] = (
+                flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=group >= 4),
+                flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD"))
         self._num_decodes = 0
         self._num_decode_tokens = 0
         self._has_prefill = False
@@ -56,24 +62,28 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._k_rows, self._v_rows = kv_rows(md.slot_mapping, self.block_size)
         nd = md.num_decodes
         indptr, indices, last_page_len = paged_kv_csr(md.seq_lens_cpu, md.block_tables, self.block_size)
-        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype)
         self._num_decodes, self._num_decode_tokens = nd, md.query_start_loc_cpu[nd]
-        if nd:
-            self._decode.plan(indptr[: nd + 1], indices[: int(indptr[nd])], last_page_len[:nd], self.num_heads,
-                              self.num_kv_heads, self.head_dim, self.block_size, **common)
         self._has_prefill = md.num_seqs > nd
-        if self._has_prefill:
-            qo_indptr = torch.tensor(md.query_start_loc_cpu[nd:], dtype=torch.int32) - md.query_start_loc_cpu[nd]
-            start = int(indptr[nd])
-            self._prefill.plan(qo_indptr, indptr[nd:] - start, indices[start:], last_page_len[nd:], self.num_heads,
-                               self.num_kv_heads, self.head_dim, self.block_size, causal=True, **common)
+        for window, (decode, prefill) in self._wrappers.items():
+            common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
+                          window_left=-1 if window is None else window - 1)
+            if nd:
+                decode.plan(indptr[: nd + 1], indices[: int(indptr[nd])], last_page_len[:nd], self.num_heads,
+                            self.num_kv_heads, self.head_dim, self.block_size, **common)
+            if self._has_prefill:
+                qo_indptr = torch.tensor(md.query_start_loc_cpu[nd:], dtype=torch.int32) - md.query_start_loc_cpu[nd]
+                start = int(indptr[nd])
+                prefill.plan(qo_indptr, indptr[nd:] - start, indices[start:], last_page_len[nd:], self.num_heads,
+                             self.num_kv_heads, self.head_dim, self.block_size, causal=True, **common)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                sliding_window: int | None = None) -> torch.Tensor:
         store_kv(kv_cache, k, v, self._k_rows, self._v_rows)
         out = torch.empty_like(q)
         t = self._num_decode_tokens
+        decode, prefill = self._wrappers[sliding_window]
         if self._num_decodes:
-            out[:t] = self._decode.run(q[:t].contiguous(), kv_cache)
+            out[:t] = decode.run(q[:t].contiguous(), kv_cache)
         if self._has_prefill:
-            out[t:] = self._prefill.run(q[t:].contiguous(), kv_cache)
+            out[t:] = prefill.run(q[t:].contiguous(), kv_cache)
         return out

@@ -4,7 +4,9 @@ KV layout per layer: [num_blocks, 2, block_size, num_kv_heads, head_dim] (FlashI
 layout): a block's K and V for every head form one contiguous run of memory. Prefill chunks run one SDPA
 call each, causal with their cached context in front. Decodes run, on CPU, through a compiled kernel
 that reads the blocks in place (kernels/cpu); elsewhere, or without a compiler, as one batched SDPA call
-over gathered, padded K/V in which the g query heads sharing a KV head act as g query positions."""
+over gathered, padded K/V in which the g query heads sharing a KV head act as g query positions.
+A sliding-window layer's prefill gathers only the blocks its window reaches, under a banded mask; its
+decodes read only the window's blocks."""
 
 from __future__ import annotations
 
@@ -40,6 +42,9 @@ class _PrefillPlan:
     context_len: int
     block_ids: torch.Tensor  # int64 [num_blocks_of_seq]
     mask: torch.Tensor | None  # None: plain causal (no cached context in front)
+    # window -> (index of the first block the window reaches, banded mask over the keys from there), for each
+    # window the context outgrows; a window it does not outgrow sees what a full layer sees.
+    windowed: dict[int, tuple[int, torch.Tensor]]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -57,7 +62,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._k_rows = self._v_rows = empty
         self._num_decodes = 0
         self._decode_tables: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._decode_gather: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._decode_gather: tuple[torch.Tensor, dict[int | None, torch.Tensor], int] | None = None
         self._prefills: list[_PrefillPlan] = []
 
     def kv_cache_shape(self) -> tuple[int, ...]:
@@ -71,20 +76,29 @@ class TorchAttentionBackend(AttentionBackend):
         self._decode_gather = None
         if nd and self._cpu_kernels is None:
             num_blocks = -(-max(md.seq_lens_cpu[:nd]) // bs)
-            positions = torch.arange(num_blocks * bs, device=self.device)
-            mask = (positions[None, :] < md.seq_lens[:nd, None])[:, None, None, :]
-            self._decode_gather = (md.block_tables[:nd, :num_blocks].reshape(-1).long(), mask, num_blocks)
+            positions = torch.arange(num_blocks * bs, device=self.device)[None, :]
+            lens = md.seq_lens[:nd, None]
+            masks: dict[int | None, torch.Tensor] = {None: (positions < lens)[:, None, None, :]}
+            for w in self.sliding_windows:
+                masks[w] = ((positions < lens) & (positions >= lens - w))[:, None, None, :]
+            self._decode_gather = (md.block_tables[:nd, :num_blocks].reshape(-1).long(), masks, num_blocks)
         self._prefills = []
         for i in range(nd, md.num_seqs):
             q_start, q_end = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
             ctx = md.seq_lens_cpu[i]
             q_len = q_end - q_start
+            rows = torch.arange(q_len, device=self.device)[:, None] + (ctx - q_len)  # each query's position
             mask = None
             if ctx != q_len:  # cached context in front: query i sees keys up to ctx - q_len + i
-                rows = torch.arange(q_len, device=self.device)[:, None] + (ctx - q_len)
                 mask = torch.arange(ctx, device=self.device)[None, :] <= rows
+            windowed = {}
+            for w in self.sliding_windows:
+                if ctx > w:  # the first query sees keys from ctx - q_len - w + 1 on
+                    first_block = max(0, ctx - q_len - w + 1) // bs
+                    keys = torch.arange(first_block * bs, ctx, device=self.device)[None, :]
+                    windowed[w] = (first_block, (keys <= rows) & (keys > rows - w))
             block_ids = md.block_tables[i, : -(-ctx // bs)].long()
-            self._prefills.append(_PrefillPlan(q_start, q_end, ctx, block_ids, mask))
+            self._prefills.append(_PrefillPlan(q_start, q_end, ctx, block_ids, mask, windowed))
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the given blocks, each [num_blocks * block_size, kv_heads, head_dim]."""
@@ -92,29 +106,32 @@ class TorchAttentionBackend(AttentionBackend):
         shape = (-1, self.num_kv_heads, self.head_dim)
         return blocks[:, 0].reshape(shape), blocks[:, 1].reshape(shape)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                sliding_window: int | None = None) -> torch.Tensor:
         store_kv(kv_cache, k, v, self._k_rows, self._v_rows)
         out = torch.empty_like(q)
         nd = self._num_decodes
         if nd and self._cpu_kernels is not None:
             block_tables, seq_lens = self._decode_tables
             self._cpu_kernels.paged_decode_attention(out[:nd], q[:nd].contiguous(), kv_cache, block_tables, seq_lens,
-                                                     self.scale)
+                                                     self.scale, sliding_window or 0)
         elif nd:
-            block_ids, mask, num_blocks = self._decode_gather
+            block_ids, masks, num_blocks = self._decode_gather
             keys, values = self._gather(kv_cache, block_ids)
             shape = (nd, num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
             keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
             queries = q[:nd].view(nd, self.num_kv_heads, self.group, self.head_dim)
-            out[:nd] = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask).view(nd, -1, self.head_dim)
+            out[:nd] = F.scaled_dot_product_attention(queries, keys, values, attn_mask=masks[sliding_window],
+                                                      scale=self.scale).view(nd, -1, self.head_dim)
         for p in self._prefills:
-            keys, values = self._gather(kv_cache, p.block_ids)
+            first_block, mask = p.windowed.get(sliding_window, (0, p.mask))
+            keys, values = self._gather(kv_cache, p.block_ids[first_block:])
             # [1, heads, tokens, head_dim]: with 3-D inputs torch 2.13 takes its math path on CPU (a full score
             # matrix, 3.3x slower on 256-token prompts); 4-D ones reach its flash kernel, GQA and masks included.
-            keys, values = keys[: p.context_len].transpose(0, 1)[None], values[: p.context_len].transpose(0, 1)[None]
+            num_keys = p.context_len - first_block * self.block_size
+            keys, values = keys[:num_keys].transpose(0, 1)[None], values[:num_keys].transpose(0, 1)[None]
             queries = q[p.q_start : p.q_end].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=self.group > 1
-            )
+            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=mask is None,
+                                               scale=self.scale, enable_gqa=self.group > 1)
             out[p.q_start : p.q_end] = o[0].transpose(0, 1)
         return out

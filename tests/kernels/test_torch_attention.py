@@ -112,15 +112,19 @@ def write_context(kv_cache: torch.Tensor, seqs: list[Seq], block_size: int) -> N
         kv_cache[blocks, 1, offsets] = s.v[: s.context_len]
 
 
-def reference(seq: Seq, num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    """Plain causal softmax attention of the step's queries over the whole sequence, in float64."""
+def reference(seq: Seq, num_heads: int, num_kv_heads: int, window: int | None = None,
+              scale: float = HEAD_DIM**-0.5) -> torch.Tensor:
+    """Plain causal softmax attention of the step's queries over the whole sequence (or the last `window`
+    positions of it), in float64."""
     group = num_heads // num_kv_heads
     q = seq.q.double().transpose(0, 1)  # [heads, q_len, dim]
     k = seq.k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, seq_len, dim]
     v = seq.v.double().repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = q @ k.transpose(1, 2) * HEAD_DIM**-0.5
+    scores = q @ k.transpose(1, 2) * scale
     query_pos = torch.arange(seq.context_len, seq.seq_len)[:, None]
     visible = torch.arange(seq.seq_len)[None, :] <= query_pos
+    if window is not None:
+        visible &= torch.arange(seq.seq_len)[None, :] > query_pos - window
     scores = scores.masked_fill(~visible, float("-inf"))
     return (scores.softmax(-1) @ v).transpose(0, 1).float()  # [q_len, heads, dim]
 
@@ -141,6 +145,8 @@ def run_step(
     seed: int,
     use_cpu_kernel: bool,
     fused_qkv: bool = False,
+    window: int | None = None,
+    scale: float | None = None,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     # Twice the blocks the batch needs, so that the block ids are scattered over the cache.
@@ -148,7 +154,7 @@ def run_step(
     seqs = make_batch(shapes, num_heads, num_kv_heads, block_size, num_blocks, gen)
     backend = TorchAttentionBackend(
         num_heads, num_kv_heads, HEAD_DIM, block_size, num_blocks, torch.float32, torch.device("cpu"),
-        use_cpu_kernel=use_cpu_kernel,
+        scale=scale, sliding_windows=(window,) if window else (), use_cpu_kernel=use_cpu_kernel,
     )
     assert (backend._cpu_kernels is not None) == use_cpu_kernel, "the CPU kernel failed to build"
     # Finite garbage everywhere else: padded and masked slots must not leak into the output.
@@ -163,10 +169,10 @@ def run_step(
     if fused_qkv:
         q, k, v = fused_views(q, k, v)
         assert not k.is_contiguous()
-    out = backend.forward(q, k, v, kv_cache)
+    out = backend.forward(q, k, v, kv_cache, window)
 
     assert out.shape == q.shape and out.dtype == torch.float32
-    expected = torch.cat([reference(s, num_heads, num_kv_heads) for s in seqs])
+    expected = torch.cat([reference(s, num_heads, num_kv_heads, window, scale or HEAD_DIM**-0.5) for s in seqs])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
     # This step's K/V landed in their slots, and nothing else in the cache moved.
@@ -227,6 +233,19 @@ def test_edge_shapes_match_reference(
     num_heads: int, num_kv_heads: int, block_size: int, shapes: list[tuple[int, int]], use_cpu_kernel: bool
 ) -> None:
     run_step(shapes, num_heads, num_kv_heads, block_size, 7, use_cpu_kernel)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (4, 4)])
+def test_sliding_window_matches_reference(
+    num_heads: int, num_kv_heads: int, block_size: int, window: int, use_cpu_kernel: bool
+) -> None:
+    """Decodes and chunks whose context is shorter and longer than the window, at and off block edges, with a
+    scale that is not head_dim's (Gemma's query_pre_attn_scalar)."""
+    shapes = [(0, 1), (window - 1, 1), (window, 1), (3 * window + 5, 1), (0, 2 * window + 3), (window + 7, 9),
+              (2 * window, window), (1, 3)]
+    run_step(shapes, num_heads, num_kv_heads, block_size, 11, use_cpu_kernel, window=window, scale=0.3)
 
 
 def test_two_steps_read_what_the_first_wrote() -> None:

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (neox style, Llama 3 frequency scaling), matched to Hugging Face transformers."""
+"""Rotary position embeddings (neox style; Llama 3 and linear frequency scaling), matched to Hugging Face
+transformers."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
+    if scaling["rope_type"] == "linear":  # positions divided by the factor
+        return inv_freq / scaling["factor"]
     # Llama 3.1 frequency scaling, as in transformers' _compute_llama3_parameters.
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]

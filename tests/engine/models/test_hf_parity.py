@@ -69,7 +69,7 @@ def test_shared_prefix_parity(arch, prefix_caching, hf_checkpoint):
         assert cached == [0] * len(cached)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_logprob_parity(arch, hf_checkpoint):
     path = str(hf_checkpoint(arch))
     llm = LLM(path, dtype="float32")
@@ -88,3 +88,31 @@ def test_logprob_parity(arch, hf_checkpoint):
                 assert ours[tid].logprob == pytest.approx(value, abs=1e-4)
         assert completion.cumulative_logprob == pytest.approx(sum(lp[t].item() for t, lp in zip(tokens, hf_logprobs)),
                                                               abs=1e-3)
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """Gemma3ForConditionalGeneration (the 4B-27B releases) as transformers saves it: the language model's
+    weights under model.language_model, a vision tower we skip, text_config nested in config.json."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    from tests.conftest import _arch_configs, copy_builtin_tokenizer
+
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=_arch_configs()["gemma3"].to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4, image_token_index=31999, boi_token_index=31997,
+                          eoi_token_index=31998)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    copy_builtin_tokenizer(tmp_path)
+    path = str(tmp_path)
+    llm = LLM(path, dtype="float32")
+    prompts = PROMPTS[1:3] + PROMPTS[-1:]
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        assert_tokens_match(out.outputs[0].token_ids, *hf_greedy(path, prompt, NEW_TOKENS),
+                            what=f"prompt of {len(prompt)} tokens")
