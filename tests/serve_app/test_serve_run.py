@@ -94,7 +94,7 @@ def test_make_run_serves_drains_on_ctrl_c_and_stops_quickly(tmp_path):
     stopping the proxies and Ray) after the last request; a draining period that outlasted the stream would
     show here too, as the stream takes a few seconds."""
     before = _ray_processes()
-    max_tokens = 1500
+    max_tokens = 800  # ~3 s of streaming on 2 cores: longer than any drain period would hide
     body = {"model": "pagedserve-tiny", "prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     outcome: dict = {}
