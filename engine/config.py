@@ -12,6 +12,8 @@ from engine.spec_decode.config import SpeculativeConfig
 if TYPE_CHECKING:
     from engine.models.config import ModelConfig
 
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
 
 class EngineConfig(BaseModel):
     """Configuration of one inference engine. An invalid value raises a pydantic ValidationError
@@ -222,3 +224,19 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
             "(max_position_embeddings)"
         )
     return config.max_model_len
+
+
+def resolve_max_num_batched_tokens(config: EngineConfig, max_model_len: int) -> int:
+    """The most tokens one step computes: the config's, else a default (without chunked prefill, at least
+    max_model_len: a prompt is computed whole)."""
+    value = config.max_num_batched_tokens
+    if config.enable_chunked_prefill:
+        return value or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    if value is None:
+        return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
+    if value < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens: {value} is below max_model_len={max_model_len}, so long prompts "
+            "could never be scheduled without chunked prefill; raise it or enable_chunked_prefill"
+        )
+    return value

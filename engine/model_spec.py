@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig, resolve_max_model_len
+from engine.core.kv_cache_groups import KVCacheGroups
 from engine.distributed import GroupCoordinator, ParallelGroups, ParallelLayout, parallel_groups
 from engine.models.builtin import BUILTIN_MODELS
 from engine.models.config import ModelConfig
@@ -58,8 +59,24 @@ def check_config(config: EngineConfig, model_config: ModelConfig) -> Quantizatio
         raise ValueError(f"load_format: 'dummy' draws dense random weights, which cannot stand in for this "
                          f"{quant_config.name} checkpoint; use load_format='safetensors'")
     resolve_max_model_len(config, model_config)
+    check_window_layers(config, model_config)
     check_rank_layers(config, engine_model_config(config, model_config), quant_config)
     return quant_config
+
+
+def check_window_layers(config: EngineConfig, cfg: ModelConfig) -> None:
+    """Refuse what does not yet work with sliding-window layers, whose KV blocks out of the window are handed
+    back (engine/core/kv_cache_groups.py): KV transfer moves one block list per request, and a draft model
+    shares the primary group's block table."""
+    if not KVCacheGroups.of(cfg).has_window_groups:
+        return
+    if config.kv_transfer_config is not None:
+        raise ValueError(f"kv_transfer_config: KV transfer (disaggregated prefill) does not support "
+                         f"{cfg.architecture}'s sliding-window layers yet; serve it colocated")
+    draft = config.speculative_config
+    if draft is not None and draft.method == "draft_model":
+        raise ValueError(f"speculative_config: a draft model does not support {cfg.architecture}'s sliding-window "
+                         "layers yet; use method 'ngram'")
 
 
 def local_model_config(model: str) -> ModelConfig | None:

@@ -30,11 +30,13 @@ class StepPlan:
 
 
 class BatchBuilder:
-    def __init__(self, config: EngineConfig, block_table: BlockTable, drafter: Drafter | None,
+    def __init__(self, config: EngineConfig, block_tables: list[BlockTable], drafter: Drafter | None,
                  kv_connector: KVConnector | None) -> None:
+        """`block_tables`: one per KV cache group (engine/core/kv_cache_groups.py), the primary group's first."""
         self.block_size = config.block_size
         self.enable_lora = config.enable_lora
-        self.block_table, self.drafter, self.kv_connector = block_table, drafter, kv_connector
+        self.block_table, self.window_tables = block_tables[0], block_tables[1:]
+        self.drafter, self.kv_connector = drafter, kv_connector
 
     @torch.inference_mode()
     def build(self, so: SchedulerOutput, kv: KVCacheManager) -> StepPlan:
@@ -47,6 +49,7 @@ class BatchBuilder:
                        key=lambda j: (so.num_scheduled_tokens[j] != 1, so.requests[j].lora_slot))
         input_ids: list[int] = []
         starts, q_lens, rows, widths = [], [], [], []
+        window_rows: list[list[int]] = [[] for _ in self.window_tables]
         samplers: list[int] = []  # index in so.requests of each request that samples, in batch order
         logit_rows: list[int] = []  # flat token rows whose logits are needed: samplers first
         prompt_rows: list[tuple[int, int, int, int]] = []  # (index in so.requests, first position, count, row)
@@ -65,6 +68,9 @@ class BatchBuilder:
             row, width = self.block_table.sync(request.request_id, kv.get_block_ids(request))
             rows.append(row)
             widths.append(width)
+            if self.window_tables:  # a window group's list is as long as the primary's (null where it skipped)
+                for table, g_rows, ids in zip(self.window_tables, window_rows, kv.get_window_block_ids(request)):
+                    g_rows.append(table.sync(request.request_id, ids)[0])
             if start + n == request.num_tokens + len(drafts):
                 samplers.append(j)
                 if drafts:  # every verified position: the last token's and each draft's
@@ -83,8 +89,10 @@ class BatchBuilder:
             logit_rows.extend(range(row, row + count))
 
         lora_slots = [so.requests[j].lora_slot for j in order] if self.enable_lora else None
-        inp = ModelInput.build(input_ids, starts, q_lens, self.block_table.table[rows, : max(widths)], self.block_size,
-                               logit_rows, lora_slots)
+        width = max(widths)
+        inp = ModelInput.build(input_ids, starts, q_lens, self.block_table.table[rows, :width], self.block_size,
+                               logit_rows, lora_slots,
+                               [t.table[r, :width] for t, r in zip(self.window_tables, window_rows)])
         if self.kv_connector is not None:
             meta = self.kv_connector.build_connector_meta(so.requests, so.num_scheduled_tokens,
                                                           [kv.get_block_ids(r) for r in so.requests])
@@ -94,6 +102,7 @@ class BatchBuilder:
     def release(self, request_ids: list[str]) -> None:
         """Forget per-request state of requests that left the running set."""
         for request_id in request_ids:
-            self.block_table.release(request_id)
+            for table in (self.block_table, *self.window_tables):
+                table.release(request_id)
         if self.drafter is not None:
             self.drafter.release(request_ids)

@@ -17,12 +17,13 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, resolve_max_num_batched_tokens
 from engine.core.batch_builder import BatchBuilder, StepPlan
 from engine.core.block_hash import hash_block_chain, short_hash
 from engine.core.block_pool import BlockPool
 from engine.core.block_table import BlockTable
 from engine.core.core_output import EngineCoreOutput
+from engine.core.kv_cache_groups import KVCacheGroups
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.prepared_request import PreparedRequest
 from engine.core.request import Request, RequestStatus
@@ -47,7 +48,6 @@ from engine.tokenizer import resolve_eos_token_ids, tokenizer_for
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 _MAX_FAILED_STEPS = 3  # single-request steps failing in a row before the engine declares itself dead
 
 
@@ -63,7 +63,9 @@ class EngineCore:
             torch.set_num_threads(threads_per_rank(config, config.world_size))
         self.model_config = spec.model_config
         self.max_model_len = spec.max_model_len
-        self.max_num_batched_tokens = self._resolve_max_num_batched_tokens()
+        self.max_num_batched_tokens = resolve_max_num_batched_tokens(config, self.max_model_len)
+        self.kv_groups = KVCacheGroups.of(spec.model_config)
+        self.kv_dtype_bytes = spec.dtype.itemsize
         self.eos_token_ids = eos_token_ids
         draft = config.speculative_config
         # The draft's config is checked before any worker starts; its KV shares the target's block budget.
@@ -76,7 +78,9 @@ class EngineCore:
             # Every tensor of a step is made on the driver rank's device.
             device = self.executor.device
             sampler = Sampler(config.seed, device)
-            block_table = BlockTable(config.max_num_seqs, -(-self.max_model_len // config.block_size))
+            max_blocks = -(-self.max_model_len // config.block_size)
+            block_tables = [BlockTable(config.max_num_seqs, max_blocks) for _ in self.kv_groups.windows]
+            block_table = block_tables[0]
             drafter = None
             if draft_checkpoint is not None:
                 worker = draft_checkpoint.build_worker(config, spec, device, self.executor.num_blocks)
@@ -95,7 +99,7 @@ class EngineCore:
             self.structured_output = StructuredOutputManager(
                 tokenizer, self.model_config.vocab_size, eos_token_ids, config.max_num_seqs
             )
-            self.batch_builder = BatchBuilder(config, block_table, drafter, self.kv_connector)
+            self.batch_builder = BatchBuilder(config, block_tables, drafter, self.kv_connector)
             self.step_sampler = StepSampler(sampler, device, self.model_config.vocab_size, self.structured_output)
         except BaseException:
             self.shutdown()
@@ -124,9 +128,16 @@ class EngineCore:
                 f"num_kv_blocks: {num_blocks - 1} usable blocks of {config.block_size} tokens cannot hold one "
                 f"request of max_model_len={self.max_model_len}; raise the KV budget or lower max_model_len"
             )
-        block_pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        sizes = self.kv_groups.pool_sizes(num_blocks, config.block_size, config.max_num_seqs,
+                                          self.max_num_batched_tokens)
+        managers = [KVCacheManager(BlockPool(size, enable_caching=config.enable_prefix_caching), config.block_size,
+                                   window) for size, window in zip(sizes, self.kv_groups.windows)]
+        managers[0].window_groups = managers[1:]
+        if self.kv_groups.has_window_groups:
+            logger.info("KV cache: %s", self.kv_groups.describe(sizes, self.model_config, config.block_size,
+                                                                self.kv_dtype_bytes))
         return Scheduler(
-            KVCacheManager(block_pool, config.block_size),
+            managers[0],
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
@@ -136,19 +147,6 @@ class EngineCore:
             connector=self.kv_connector,
             lora_manager=self.lora_manager,
         )
-
-    def _resolve_max_num_batched_tokens(self) -> int:
-        value = self.config.max_num_batched_tokens
-        if self.config.enable_chunked_prefill:
-            return value or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        if value is None:
-            return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
-        if value < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens: {value} is below max_model_len={self.max_model_len}, so long prompts "
-                "could never be scheduled without chunked prefill; raise it or enable_chunked_prefill"
-            )
-        return value
 
     # --- requests in --------------------------------------------------------------------------------------
 

@@ -30,13 +30,18 @@ class ModelInput:
     kv_meta: KVConnectorMetadata | None = None  # KV to load before the forward and save after it
     # int32 [num_tokens]: each token's LoRA slot (-1: the base model); None when no token has an adapter.
     lora_slots: np.ndarray | None = None
+    # The other KV cache groups' (sliding-window layers', engine/core/kv_cache_groups.py) block tables and
+    # slot mappings, in group order; the fields above are the primary group's.
+    window_block_tables: list[np.ndarray] | None = None
+    window_slot_mappings: list[np.ndarray] | None = None
 
     @classmethod
     def build(cls, input_ids: list[int], starts: list[int], q_lens: list[int], block_tables: np.ndarray,
-              block_size: int, logit_rows: list[int] | None = None, lora_slots: list[int] | None = None) -> ModelInput:
+              block_size: int, logit_rows: list[int] | None = None, lora_slots: list[int] | None = None,
+              window_block_tables: list[np.ndarray] = ()) -> ModelInput:
         """Positions and slots of every token, vectorised over the batch (sequence i computes q_lens[i]
         tokens from position starts[i] on, its KV in the blocks of block_tables[i]; with `lora_slots`, its
-        adapter's slot, or -1)."""
+        adapter's slot, or -1; `window_block_tables`: the other KV cache groups' tables)."""
         num_seqs = len(q_lens)
         num_decodes = next((i for i, n in enumerate(q_lens) if n != 1), num_seqs)
         q_lens_np = np.asarray(q_lens, dtype=np.int64)
@@ -46,19 +51,24 @@ class ModelInput:
         num_tokens = int(query_start_loc[-1])
         token_seq = np.repeat(np.arange(num_seqs), q_lens_np)
         positions = np.arange(num_tokens) - query_start_loc[token_seq] + starts_np[token_seq]
-        slot_mapping = block_tables[token_seq, positions // block_size] * block_size + positions % block_size
+        block_index, offset = positions // block_size, positions % block_size
+        slot_mapping = block_tables[token_seq, block_index] * block_size + offset
+        window_slots = [(t[token_seq, block_index] * block_size + offset).astype(np.int64) for t in window_block_tables]
         token_slots = None
         if lora_slots is not None and max(lora_slots, default=-1) >= 0:
             token_slots = np.repeat(np.asarray(lora_slots, dtype=np.int32), q_lens_np)
         return cls(np.asarray(input_ids, dtype=np.int64), positions, query_start_loc, starts_np + q_lens_np,
                    num_decodes, block_tables, slot_mapping.astype(np.int64),
-                   np.asarray(logit_rows if logit_rows is not None else [], dtype=np.int64), lora_slots=token_slots)
+                   np.asarray(logit_rows if logit_rows is not None else [], dtype=np.int64), lora_slots=token_slots,
+                   window_block_tables=list(window_block_tables) or None, window_slot_mappings=window_slots or None)
 
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
-    def attention_metadata(self, device: torch.device) -> AttentionMetadata:
+    def attention_metadata(self, device: torch.device, windows: tuple[int | None, ...] = ()) -> AttentionMetadata:
+        """`windows`: each KV cache group's window (engine/core/kv_cache_groups.py), the primary's first."""
+        groups = zip(windows[1:], self.window_block_tables or (), self.window_slot_mappings or ())
         return AttentionMetadata(
             num_tokens=self.num_tokens,
             num_decodes=self.num_decodes,
@@ -68,4 +78,6 @@ class ModelInput:
             seq_lens=torch.from_numpy(self.seq_lens).to(device, torch.int32),
             block_tables=torch.from_numpy(self.block_tables).to(device, torch.int32),
             slot_mapping=torch.from_numpy(self.slot_mapping).to(device),
+            window_groups={w: (torch.from_numpy(t).to(device, torch.int32), torch.from_numpy(m).to(device))
+                           for w, t, m in groups},
         )

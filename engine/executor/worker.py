@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, resolve_max_num_batched_tokens
+from engine.core.kv_cache_groups import KVCacheGroups
 from engine.distributed import ParallelGroups, ParallelLayout, init_parallel_groups, parallel_groups
 from engine.distributed.message_queue import MessageQueueReader
 from engine.executor.model_input import ModelInput
@@ -87,6 +88,7 @@ class Worker:
         self.pp = groups.pp if groups is not None else None
         self.kv_connector = create_kv_connector(config, spec.model_config, spec.dtype, "worker",
                                                 rank=groups.world.global_rank if groups is not None else 0)
+        self.kv_groups = KVCacheGroups.of(spec.model_config)
         self.attn_backend = None
         self._sends: list = []  # in-flight sends to the next stage, with the tensors they read
 
@@ -94,10 +96,15 @@ class Worker:
     def weight_bytes(self) -> int:
         return weight_bytes(self.model)
 
-    def kv_bytes_per_block(self) -> int:
+    def kv_bytes_per_block(self) -> list[int]:
+        """Bytes of one block of each KV cache group over this rank's layers of it: a K and a V (the factor 2)
+        of block_size tokens, each num_kv_heads x head_dim."""
         layer = self.model.attention_layers[0]
-        return (2 * len(self.model.attention_layers) * layer.num_kv_heads * layer.head_dim * self.config.block_size
-                * self.spec.dtype.itemsize)
+        per_layer = 2 * layer.num_kv_heads * layer.head_dim * self.config.block_size * self.spec.dtype.itemsize
+        per_group = [0] * len(self.kv_groups.windows)
+        for attn in self.model.attention_layers:
+            per_group[self.kv_groups.windows.index(attn.sliding_window)] += per_layer
+        return per_group
 
     def num_kv_blocks(self, extra_bytes_per_block: int = 0) -> int:
         """KV blocks this rank's budget holds (per rank: `kv_cache_memory_gb` is each rank's budget)."""
@@ -119,7 +126,11 @@ class Worker:
             budget = _CPU_KV_CACHE_GB * 2**30
         # No point holding more than every running request at full length could use.
         ceiling = config.max_num_seqs * -(-self.spec.max_model_len // config.block_size) + 1
-        return min(int(budget // (self.kv_bytes_per_block() + extra_bytes_per_block)), ceiling)
+        per_block = self.kv_bytes_per_block()
+        per_block[0] += extra_bytes_per_block
+        blocks = self.kv_groups.primary_blocks(budget, per_block, config.block_size, config.max_num_seqs,
+                                               resolve_max_num_batched_tokens(config, self.spec.max_model_len))
+        return min(blocks, ceiling)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         layer = self.model.attention_layers[0]
@@ -128,9 +139,15 @@ class Worker:
         self.attn_backend = backend_cls(layer.num_heads, layer.num_kv_heads, layer.head_dim, self.config.block_size,
                                         num_blocks, self.spec.dtype, self.device, scale=layer.scale,
                                         sliding_windows=windows)
-        # Zeroed, not empty: padded gathers read unwritten slots, and garbage could hold NaNs.
+        config = self.config
+        pool_sizes = self.kv_groups.pool_sizes(num_blocks, config.block_size, config.max_num_seqs,
+                                               resolve_max_num_batched_tokens(config, self.spec.max_model_len))
+        block_shape = self.attn_backend.kv_cache_shape()[1:]
+        # Zeroed, not empty: padded gathers read unwritten slots, and garbage could hold NaNs. A layer's cache
+        # holds its KV cache group's pool (engine/core/kv_cache_groups.py).
         for attn in self.model.attention_layers:
-            attn.kv_cache = torch.zeros(self.attn_backend.kv_cache_shape(), dtype=self.spec.dtype, device=self.device)
+            size = pool_sizes[self.kv_groups.windows.index(attn.sliding_window)]
+            attn.kv_cache = torch.zeros((size, *block_shape), dtype=self.spec.dtype, device=self.device)
 
     @torch.inference_mode()
     def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
@@ -145,7 +162,7 @@ class Worker:
         self._sends = []
         dev = self.device
         self._set_threads(inp.num_tokens)
-        self.attn_backend.plan(inp.attention_metadata(dev))
+        self.attn_backend.plan(inp.attention_metadata(dev, self.kv_groups.windows))
         meta = inp.kv_meta
         layers = self.model.attention_layers
         if meta is not None and meta.loads:  # loaded synchronously: every layer's before the forward

@@ -9,7 +9,7 @@ layout; `slot_mapping[t]` is the flat slot (block_id * block_size + offset) wher
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,14 @@ class AttentionMetadata:
     # block or a stale one): backends may read them only under a mask.
     block_tables: torch.Tensor
     slot_mapping: torch.Tensor  # int64 [num_tokens]
+    # window -> (block_tables, slot_mapping) of the layers of that window where they keep KV blocks of their own
+    # (a KV cache group, engine/core/kv_cache_groups.py): blocks out of the window are the null block there.
+    # A window not listed uses the fields above.
+    window_groups: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def tables_for(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block_tables, slot_mapping) of the layers with this window (None: full attention)."""
+        return self.window_groups.get(window, (self.block_tables, self.slot_mapping))
 
     @property
     def num_seqs(self) -> int:

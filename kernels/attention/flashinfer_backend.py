@@ -53,18 +53,19 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._num_decodes = 0
         self._num_decode_tokens = 0
         self._has_prefill = False
-        self._k_rows = self._v_rows = torch.empty(0, dtype=torch.long, device=self.device)
+        self._rows: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}  # per window: where new K and V go
 
     def kv_cache_shape(self) -> tuple[int, ...]:
         return (self.num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     def plan(self, md: AttentionMetadata) -> None:
-        self._k_rows, self._v_rows = kv_rows(md.slot_mapping, self.block_size)
         nd = md.num_decodes
-        indptr, indices, last_page_len = paged_kv_csr(md.seq_lens_cpu, md.block_tables, self.block_size)
         self._num_decodes, self._num_decode_tokens = nd, md.query_start_loc_cpu[nd]
         self._has_prefill = md.num_seqs > nd
         for window, (decode, prefill) in self._wrappers.items():
+            block_tables, slot_mapping = md.tables_for(window)  # the window's KV cache group, if it has one
+            self._rows[window] = kv_rows(slot_mapping, self.block_size)
+            indptr, indices, last_page_len = paged_kv_csr(md.seq_lens_cpu, block_tables, self.block_size)
             common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
                           window_left=-1 if window is None else window - 1)
             if nd:
@@ -78,7 +79,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 sliding_window: int | None = None) -> torch.Tensor:
-        store_kv(kv_cache, k, v, self._k_rows, self._v_rows)
+        store_kv(kv_cache, k, v, *self._rows[sliding_window])
         out = torch.empty_like(q)
         t = self._num_decode_tokens
         decode, prefill = self._wrappers[sliding_window]

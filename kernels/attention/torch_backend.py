@@ -40,11 +40,21 @@ class _PrefillPlan:
     q_start: int
     q_end: int
     context_len: int
-    block_ids: torch.Tensor  # int64 [num_blocks_of_seq]
     mask: torch.Tensor | None  # None: plain causal (no cached context in front)
     # window -> (index of the first block the window reaches, banded mask over the keys from there), for each
     # window the context outgrows; a window it does not outgrow sees what a full layer sees.
     windowed: dict[int, tuple[int, torch.Tensor]]
+
+
+@dataclass
+class _TablePlan:
+    """What a step reads from one set of block tables (a KV cache group's)."""
+
+    k_rows: torch.Tensor  # where each new token's K goes (its V: v_rows)
+    v_rows: torch.Tensor
+    decode_tables: torch.Tensor  # int32 [num_decodes, max_blocks]
+    decode_block_ids: torch.Tensor | None  # the decodes' blocks, flattened, for the gather path
+    prefill_block_ids: list[torch.Tensor]  # int64, each prefill's blocks
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -58,30 +68,29 @@ class TorchAttentionBackend(AttentionBackend):
             _keep_freed_memory_in_heap()
             if use_cpu_kernel:
                 self._cpu_kernels = load_cpu_kernels()
-        empty = torch.empty(0, dtype=torch.long, device=self.device)
-        self._k_rows = self._v_rows = empty
         self._num_decodes = 0
-        self._decode_tables: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._decode_gather: tuple[torch.Tensor, dict[int | None, torch.Tensor], int] | None = None
+        self._decode_lens = torch.empty(0, dtype=torch.int32, device=self.device)
+        self._decode_masks: dict[int | None, torch.Tensor] = {}  # the gather path's, per window
+        self._decode_num_blocks = 0
         self._prefills: list[_PrefillPlan] = []
+        self._tables: dict[int | None, _TablePlan] = {}  # per window (None: full attention)
 
     def kv_cache_shape(self) -> tuple[int, ...]:
         return (self.num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     def plan(self, md: AttentionMetadata) -> None:
         bs, nd = self.block_size, md.num_decodes
-        self._k_rows, self._v_rows = kv_rows(md.slot_mapping, bs)
         self._num_decodes = nd
-        self._decode_tables = (md.block_tables[:nd], md.seq_lens[:nd])
-        self._decode_gather = None
-        if nd and self._cpu_kernels is None:
-            num_blocks = -(-max(md.seq_lens_cpu[:nd]) // bs)
-            positions = torch.arange(num_blocks * bs, device=self.device)[None, :]
+        self._decode_lens = md.seq_lens[:nd]
+        self._decode_masks = {}
+        gather = nd and self._cpu_kernels is None
+        if gather:
+            self._decode_num_blocks = -(-max(md.seq_lens_cpu[:nd]) // bs)
+            positions = torch.arange(self._decode_num_blocks * bs, device=self.device)[None, :]
             lens = md.seq_lens[:nd, None]
-            masks: dict[int | None, torch.Tensor] = {None: (positions < lens)[:, None, None, :]}
+            self._decode_masks[None] = (positions < lens)[:, None, None, :]
             for w in self.sliding_windows:
-                masks[w] = ((positions < lens) & (positions >= lens - w))[:, None, None, :]
-            self._decode_gather = (md.block_tables[:nd, :num_blocks].reshape(-1).long(), masks, num_blocks)
+                self._decode_masks[w] = ((positions < lens) & (positions >= lens - w))[:, None, None, :]
         self._prefills = []
         for i in range(nd, md.num_seqs):
             q_start, q_end = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
@@ -97,35 +106,44 @@ class TorchAttentionBackend(AttentionBackend):
                     first_block = max(0, ctx - q_len - w + 1) // bs
                     keys = torch.arange(first_block * bs, ctx, device=self.device)[None, :]
                     windowed[w] = (first_block, (keys <= rows) & (keys > rows - w))
-            block_ids = md.block_tables[i, : -(-ctx // bs)].long()
-            self._prefills.append(_PrefillPlan(q_start, q_end, ctx, block_ids, mask, windowed))
+            self._prefills.append(_PrefillPlan(q_start, q_end, ctx, mask, windowed))
+        self._tables = {}
+        for window in (None, *self.sliding_windows):
+            if window is not None and window not in md.window_groups:
+                self._tables[window] = self._tables[None]  # its layers keep their KV in the primary group
+                continue
+            block_tables, slot_mapping = md.tables_for(window)
+            k_rows, v_rows = kv_rows(slot_mapping, bs)
+            prefill_ids = [block_tables[i, : -(-md.seq_lens_cpu[i] // bs)].long() for i in range(nd, md.num_seqs)]
+            decode_ids = block_tables[:nd, : self._decode_num_blocks].reshape(-1).long() if gather else None
+            self._tables[window] = _TablePlan(k_rows, v_rows, block_tables[:nd], decode_ids, prefill_ids)
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the given blocks, each [num_blocks * block_size, kv_heads, head_dim]."""
-        blocks = kv_cache.view(self.num_blocks, -1).index_select(0, block_ids).view(-1, *kv_cache.shape[1:])
+        blocks = kv_cache.view(kv_cache.shape[0], -1).index_select(0, block_ids).view(-1, *kv_cache.shape[1:])
         shape = (-1, self.num_kv_heads, self.head_dim)
         return blocks[:, 0].reshape(shape), blocks[:, 1].reshape(shape)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 sliding_window: int | None = None) -> torch.Tensor:
-        store_kv(kv_cache, k, v, self._k_rows, self._v_rows)
+        tables = self._tables[sliding_window]
+        store_kv(kv_cache, k, v, tables.k_rows, tables.v_rows)
         out = torch.empty_like(q)
         nd = self._num_decodes
         if nd and self._cpu_kernels is not None:
-            block_tables, seq_lens = self._decode_tables
-            self._cpu_kernels.paged_decode_attention(out[:nd], q[:nd].contiguous(), kv_cache, block_tables, seq_lens,
-                                                     self.scale, sliding_window or 0)
+            self._cpu_kernels.paged_decode_attention(out[:nd], q[:nd].contiguous(), kv_cache, tables.decode_tables,
+                                                     self._decode_lens, self.scale, sliding_window or 0)
         elif nd:
-            block_ids, masks, num_blocks = self._decode_gather
-            keys, values = self._gather(kv_cache, block_ids)
-            shape = (nd, num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+            keys, values = self._gather(kv_cache, tables.decode_block_ids)
+            shape = (nd, self._decode_num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
             keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
             queries = q[:nd].view(nd, self.num_kv_heads, self.group, self.head_dim)
-            out[:nd] = F.scaled_dot_product_attention(queries, keys, values, attn_mask=masks[sliding_window],
+            mask = self._decode_masks[sliding_window]
+            out[:nd] = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
                                                       scale=self.scale).view(nd, -1, self.head_dim)
-        for p in self._prefills:
+        for p, block_ids in zip(self._prefills, tables.prefill_block_ids):
             first_block, mask = p.windowed.get(sliding_window, (0, p.mask))
-            keys, values = self._gather(kv_cache, p.block_ids[first_block:])
+            keys, values = self._gather(kv_cache, block_ids[first_block:])
             # [1, heads, tokens, head_dim]: with 3-D inputs torch 2.13 takes its math path on CPU (a full score
             # matrix, 3.3x slower on 256-token prompts); 4-D ones reach its flash kernel, GQA and masks included.
             num_keys = p.context_len - first_block * self.block_size

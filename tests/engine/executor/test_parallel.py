@@ -15,6 +15,7 @@ import json
 import pytest
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
+from engine.config import resolve_max_num_batched_tokens
 from tests.conftest import engines_by_arch
 from tests.engine.models.test_hf_parity import GREEDY, NEW_TOKENS, PROMPTS, VARIANTS
 from tests.parity import assert_tokens_match, hf_greedy
@@ -32,7 +33,7 @@ def _use_config(llm: LLM, config) -> None:
     llm.llm_engine.step()  # idle: hands the finished requests' ids to the batch builder, which forgets them
     core = llm.llm_engine.core
     core.config = config
-    core.max_num_batched_tokens = core._resolve_max_num_batched_tokens()
+    core.max_num_batched_tokens = resolve_max_num_batched_tokens(config, core.max_model_len)
     core.scheduler = core._build_scheduler(config.num_kv_blocks)
 
 
