@@ -1,7 +1,15 @@
-"""Model families' KV memory: what the sliding-window KV cache manager (engine/core/kv_cache_groups.py)
-holds for one long request, against holding the whole context on every layer.
+"""Model families' KV memory and decode speed.
 
-    python -m benchmarks.architectures [--block-size 16]
+    python -m benchmarks.architectures [--block-size 16] [--rounds 3]
+
+(1) DeepSeek-V3's latent attention, at CPU size (hidden 1024, 8 layers, 16 heads with DeepSeek's head dims,
+    kv_lora_rank 512 + 64 rotary: a 576-value latent per token and layer; 16 experts of 256, top-2, one shared)
+    against an MHA model of the same width (16 heads of 128, a dense MLP of 768: the same active parameters per
+    token), both engines built on random weights: KV bytes per token as each engine's worker sizes its blocks,
+    how many 4,096-token requests a 2 GiB KV budget holds (the engine's pool), and the decode step at batch 1
+    and 32 (benchmarks/parallel.py's decode_step, median of --rounds turns).
+(2) The sliding-window KV cache manager (engine/core/kv_cache_groups.py): what it holds for one long request,
+    against holding the whole context on every layer.
 
 For each shape (the released configs' layer counts, KV heads, head dims and windows; no weights needed) and
 context (8k and 32k tokens), a request of that length is prefilled in chunks of 2048 tokens and then decodes
@@ -9,17 +17,24 @@ context (8k and 32k tokens), a request of that length is prefilled in chunks of 
 holds in each group at the end, in bytes (bfloat16), against one pool on every layer, and how many such
 requests a 16 GiB KV budget then holds. The blocks are counted from the managers, not from a formula.
 
-Not yet here (issue 35): gpt-oss (not served yet), DeepSeek's latent cache and decode times, and throughput
-against vLLM's CPU backend."""
+Not yet here (issue 35): gpt-oss (not served yet), and throughput against vLLM's CPU backend."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
 
+from benchmarks.parallel import decode_step
+from engine import LLM
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_groups import KVCacheGroups
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
+from engine.models.builtin import materialize_builtin
 from engine.models.config import ModelConfig
 from engine.sampling_params import SamplingParams
 
@@ -31,6 +46,52 @@ SHAPES = {
     "Gemma 3 27B": dict(architectures=["Gemma3ForCausalLM"], num_hidden_layers=62, num_attention_heads=32,
                         num_key_value_heads=16, head_dim=128, sliding_window=1024, sliding_window_pattern=6),
 }
+
+
+_DEEPSEEK_CPU = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=1024, intermediate_size=2816,
+    num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=384,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16, num_experts_per_tok=2,
+    n_shared_experts=1, moe_intermediate_size=256, n_group=4, topk_group=2, first_k_dense_replace=1,
+    norm_topk_prob=True, routed_scaling_factor=2.5)
+_MHA_SAME_WIDTH = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=1024, intermediate_size=768,
+                       num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16, head_dim=128)
+_COMMON = dict(vocab_size=32000, max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1,
+               eos_token_id=2, tie_word_embeddings=False, torch_dtype="float32", hidden_act="silu")
+ENGINE = dict(load_format="dummy", dtype="float32", max_model_len=4096, max_num_seqs=1024, kv_cache_memory_gb=2)
+
+
+def _folder(root: Path, name: str, spec: dict) -> str:
+    """A checkpoint folder of `spec` (config and the built-in tokenizer; weights drawn by load_format=dummy)."""
+    folder = root / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**_COMMON, **spec}))
+    for f in materialize_builtin("pagedserve-tiny").iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, folder / f.name)
+    return str(folder)
+
+
+def latent_attention(rounds: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="pagedserve-architectures-") as tmp:
+        engines = {"DeepSeek-V3 shape (MLA, MoE)": LLM(_folder(Path(tmp), "deepseek", _DEEPSEEK_CPU), **ENGINE),
+                   "MHA, same width and active parameters": LLM(_folder(Path(tmp), "mha", _MHA_SAME_WIDTH), **ENGINE)}
+        steps: dict[tuple[str, int], list[float]] = {}
+        for _ in range(rounds):
+            for batch in (1, 32):
+                for name, llm in engines.items():
+                    steps.setdefault((name, batch), []).append(decode_step(llm, batch)[0])
+        print("| model | KV bytes / token | 4,096-token requests in 2 GiB | decode step ms, batch 1 | batch 32 |")
+        print("|---|---:|---:|---:|---:|")
+        for name, llm in engines.items():
+            core = llm.llm_engine.core
+            per_token = sum(core.executor.driver_worker.kv_bytes_per_block()) // llm.llm_engine.config.block_size
+            fits = (core.scheduler.kv_cache_manager.block_pool.num_usable_blocks
+                    // (4096 // llm.llm_engine.config.block_size))
+            print(f"| {name} | {per_token:,} | {fits} | {statistics.median(steps[name, 1]):.2f} | "
+                  f"{statistics.median(steps[name, 32]):.2f} |")
+        for llm in engines.values():
+            llm.shutdown()
 
 
 def held_blocks(cfg: ModelConfig, context: int, block_size: int) -> list[int]:
@@ -57,7 +118,11 @@ def held_blocks(cfg: ModelConfig, context: int, block_size: int) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--block-size", type=int, default=16)
-    bs = parser.parse_args().block_size
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    bs = args.block_size
+    latent_attention(args.rounds)
+    print()
     print(f"| model | context | layers (full / window) | KV without the manager | with it | saved | "
           f"requests in {BUDGET_GIB} GiB (without / with) |")
     print("|---|---:|---|---:|---:|---:|---:|")

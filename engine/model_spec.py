@@ -60,6 +60,7 @@ def check_config(config: EngineConfig, model_config: ModelConfig) -> Quantizatio
                          f"{quant_config.name} checkpoint; use load_format='safetensors'")
     resolve_max_model_len(config, model_config)
     check_window_layers(config, model_config)
+    check_latent_attention(config, model_config)
     check_rank_layers(config, engine_model_config(config, model_config), quant_config)
     return quant_config
 
@@ -77,6 +78,19 @@ def check_window_layers(config: EngineConfig, cfg: ModelConfig) -> None:
     if draft is not None and draft.method == "draft_model":
         raise ValueError(f"speculative_config: a draft model does not support {cfg.architecture}'s sliding-window "
                          "layers yet; use method 'ngram'")
+
+
+def check_latent_attention(config: EngineConfig, cfg: ModelConfig) -> None:
+    """Refuse what does not yet work with multi-head latent attention (DeepSeek), whose layers cache latents,
+    not K and V: KV transfer moves K/V blocks, and LoRA adapters target the q/k/v projections it lacks."""
+    if cfg.mla is None:
+        return
+    if config.kv_transfer_config is not None:
+        raise ValueError(f"kv_transfer_config: KV transfer (disaggregated prefill) does not support "
+                         f"{cfg.architecture}'s latent KV cache yet; serve it colocated")
+    if config.enable_lora:
+        raise ValueError(f"enable_lora: LoRA adapters are not supported for {cfg.architecture}'s latent "
+                         "attention yet; serve the base model or a merged checkpoint")
 
 
 def local_model_config(model: str) -> ModelConfig | None:

@@ -13,6 +13,9 @@ class EngineStats:
     num_waiting: int
     num_kv_blocks: int
     block_size: int
+    # KV bytes a token of context takes on this engine's driver rank, over its layers: a K and a V per layer,
+    # or one latent per layer (no factor 2) for latent attention (DeepSeek's MLA).
+    kv_bytes_per_token: int = 0
     queued_prefill_tokens: int = 0  # prompt tokens of waiting and running requests not yet computed
     num_kv_held: int = 0  # finished requests whose blocks a KV producer holds for a consumer
     # Counters since start.

@@ -50,6 +50,9 @@ class EngineMetrics:
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
+        self.kv_bytes_per_token = gauge("kv_cache_bytes_per_token",
+                                        "KV bytes a token of context takes on the driver rank: K and V per layer, or "
+                                        "one latent per layer (no factor 2) under latent attention (DeepSeek).")
         self.counters = {
             name: Counter(_PREFIX + name, description=f"Engine counter {name}.", tag_keys=_TAGS) for name in _COUNTERS
         }
@@ -71,6 +74,7 @@ class EngineMetrics:
         self.running.set(stats.num_running, tags=self.tags)
         self.waiting.set(stats.num_waiting, tags=self.tags)
         self.kv_usage.set(stats.kv_cache_usage, tags=self.tags)
+        self.kv_bytes_per_token.set(stats.kv_bytes_per_token, tags=self.tags)
         for name, field in _COUNTERS.items():
             value = getattr(stats, field)
             if value > self._last[name]:

@@ -41,6 +41,8 @@ _SMALL = dict(
 
 def _arch_configs():
     from transformers import (
+        DeepseekV2Config,
+        DeepseekV3Config,
         Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
@@ -86,11 +88,25 @@ def _arch_configs():
                                                                       "rope_theta": 1_000_000.0},
                                                     "sliding_attention": {"rope_type": "default",
                                                                           "rope_theta": 10_000.0}}),
+        # Multi-head latent attention (engine/models/deepseek.py). V2: group-limited softmax routing over 8 experts
+        # in 4 groups, no q_lora, YaRN; V3: sigmoid routing with its bias, q_lora, a dense first layer.
+        "deepseek_v2": DeepseekV2Config(**_DEEPSEEK, q_lora_rank=None, topk_method="group_limited_greedy", n_group=4,
+                                        topk_group=2, routed_scaling_factor=1.5, first_k_dense_replace=0,
+                                        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 256, "mscale": 0.707,
+                                                      "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}),
+        "deepseek_v3": DeepseekV3Config(**_DEEPSEEK, q_lora_rank=48, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                        norm_topk_prob=True, routed_scaling_factor=2.5),
     }
 
 
+_DEEPSEEK = dict(vocab_size=32000, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                 n_shared_experts=1, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                 max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
-MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
+MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
 
 
 def write_hf_checkpoint(arch: str, path: Path, max_shard_size: str | None = None) -> Path:
@@ -106,6 +122,9 @@ def write_hf_checkpoint(arch: str, path: Path, max_shard_size: str | None = None
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.05 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias: learned, not zero
+                b.copy_(0.05 * torch.randn_like(b))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     copy_builtin_tokenizer(path)

@@ -96,6 +96,7 @@ class EngineCore:
                     lambda slot, adapter: executor.collective_rpc("load_lora", slot, adapter),
                 )
             self.scheduler = self._build_scheduler(self.executor.num_blocks)
+            self.kv_bytes_per_token = sum(self.executor.driver_worker.kv_bytes_per_block()) // config.block_size
             self.structured_output = StructuredOutputManager(
                 tokenizer, self.model_config.vocab_size, eos_token_ids, config.max_num_seqs
             )
@@ -517,6 +518,7 @@ class EngineCore:
             num_waiting=s.num_waiting + sum(map(len, self._parked.values())) + sum(map(len, self._compiling.values())),
             num_kv_blocks=kv.block_pool.num_usable_blocks,
             block_size=self.config.block_size,
+            kv_bytes_per_token=self.kv_bytes_per_token,
             queued_prefill_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
                                       for queue in (s.running, s.waiting) for r in queue),
             num_kv_held=self.kv_connector.num_held if self.kv_connector is not None else 0,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -99,12 +100,18 @@ class Worker:
     def kv_bytes_per_block(self) -> list[int]:
         """Bytes of one block of each KV cache group over this rank's layers of it: a K and a V (the factor 2)
         of block_size tokens, each num_kv_heads x head_dim."""
-        layer = self.model.attention_layers[0]
-        per_layer = 2 * layer.num_kv_heads * layer.head_dim * self.config.block_size * self.spec.dtype.itemsize
         per_group = [0] * len(self.kv_groups.windows)
         for attn in self.model.attention_layers:
-            per_group[self.kv_groups.windows.index(attn.sliding_window)] += per_layer
+            per_group[self.kv_groups.windows.index(attn.sliding_window)] += (
+                math.prod(self._kv_block_shape(attn)) * self.spec.dtype.itemsize)
         return per_group
+
+    def _kv_block_shape(self, attn) -> tuple[int, ...]:
+        """One block of a layer's KV cache: K and V of block_size tokens (the backend's layout); for latent
+        attention (DeepSeek's MLA), block_size latents of latent_dim values: no K and V, no factor 2."""
+        if getattr(attn, "latent_dim", None):
+            return (self.config.block_size, attn.latent_dim)
+        return (2, self.config.block_size, attn.num_kv_heads, attn.head_dim)
 
     def num_kv_blocks(self, extra_bytes_per_block: int = 0) -> int:
         """KV blocks this rank's budget holds (per rank: `kv_cache_memory_gb` is each rank's budget)."""
@@ -142,12 +149,12 @@ class Worker:
         config = self.config
         pool_sizes = self.kv_groups.pool_sizes(num_blocks, config.block_size, config.max_num_seqs,
                                                resolve_max_num_batched_tokens(config, self.spec.max_model_len))
-        block_shape = self.attn_backend.kv_cache_shape()[1:]
         # Zeroed, not empty: padded gathers read unwritten slots, and garbage could hold NaNs. A layer's cache
         # holds its KV cache group's pool (engine/core/kv_cache_groups.py).
         for attn in self.model.attention_layers:
             size = pool_sizes[self.kv_groups.windows.index(attn.sliding_window)]
-            attn.kv_cache = torch.zeros((size, *block_shape), dtype=self.spec.dtype, device=self.device)
+            attn.kv_cache = torch.zeros((size, *self._kv_block_shape(attn)), dtype=self.spec.dtype,
+                                        device=self.device)
 
     @torch.inference_mode()
     def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:

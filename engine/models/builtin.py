@@ -46,6 +46,13 @@ _MOE_ARCH = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "
 _GEMMA3_ARCH = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
                 "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 64, "rope_local_base_freq": 10000.0,
                 "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
+# DeepSeek-V3's shape at toy size: latent attention (a 40-value latent per token and layer), a dense first
+# layer, then 8 routed experts in 2 groups (top-2, sigmoid scores with their bias) and a shared one.
+_DEEPSEEK_V3_ARCH = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_act": "silu",
+                     "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                     "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                     "moe_intermediate_size": 32, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+                     "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True}
 BUILTIN_MODELS: dict[str, dict] = {
     "pagedserve-tiny": {
         **_ARCH, **_COMMON, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
@@ -72,6 +79,10 @@ BUILTIN_MODELS: dict[str, dict] = {
         **_COMMON, **_GEMMA3_ARCH, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 6,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
         "rope_theta": 1_000_000.0, "tie_word_embeddings": True,
+    },
+    "pagedserve-tiny-deepseek-v3": {
+        **_COMMON, **_DEEPSEEK_V3_ARCH, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 4,
     },
 }
 
@@ -122,7 +133,7 @@ _FORMAT_VERSION = 1  # bump when the files written below change
 # tokenizer's config) can change without changing the weights. A model not listed seeds from its spec.
 _WEIGHT_SEEDS = {"pagedserve-tiny": 0x24A9A3D7, "pagedserve-56m": 0x7BED96D1, "pagedserve-600m": 0x600D5EED,
                  "pagedserve-tiny-moe": 0x5E1F0C2B, "pagedserve-56m-moe": 0x3A7C94E5,
-                 "pagedserve-tiny-gemma3": 0x6E3A3001}
+                 "pagedserve-tiny-gemma3": 0x6E3A3001, "pagedserve-tiny-deepseek-v3": 0xD5EE3003}
 
 
 def cache_root() -> Path:

@@ -25,10 +25,15 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     # multimodal checkpoints (4B, 12B, 27B) serve their language model, text only.
     "Gemma3ForCausalLM": {"qk_norm": True},
     "Gemma3ForConditionalGeneration": {"qk_norm": True},
+    # engine/models/deepseek.py: multi-head latent attention and DeepSeek's routed plus shared experts.
+    "DeepseekV2ForCausalLM": {},
+    "DeepseekV3ForCausalLM": {},
 }
 # Where each MoE architecture's config.json counts its experts: transformers 5 writes `num_local_experts`
 # for Qwen3-MoE (an attribute_map) where hub files say `num_experts`; DeepSeek says `n_routed_experts`.
-MOE_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
+MOE_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                               "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"})
+DEEPSEEK = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"})
 # Qwen configs carry a sliding_window that only applies with use_sliding_window.
 _QWEN_SLIDING_FLAG = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -41,7 +46,7 @@ _GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_si
                     "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "tie_word_embeddings": True,
                     "bos_token_id": 2, "eos_token_id": 1, "sliding_window_pattern": 6}
 SLIDING, FULL = "sliding_attention", "full_attention"
-_ROPE_TYPES = ("default", "llama3", "linear")
+_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
 @dataclass(frozen=True)
@@ -57,14 +62,27 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense MLP on every token, gated by a sigmoid
     decoder_sparse_step: int = 1  # Qwen: every step-th layer is MoE ...
     mlp_only_layers: tuple[int, ...] = ()  # ... except these, which keep a dense MLP of intermediate_size
+    # DeepSeek: scores (softmax, or V3's sigmoid), how the top-k is chosen (greedy; V2's group_limited_greedy:
+    # the topk_group best of n_group expert groups first; V3's noaux_tc: groups and experts chosen on the
+    # scores plus a learned e_score_correction_bias, weighted by the plain scores), a scale on the weights,
+    # plain shared experts (n_shared_experts x moe_intermediate_size, no gate) and dense layers before
+    # first_k_dense_replace.
+    scoring: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
     # How the engine runs the experts, not a checkpoint fact: set by ModelSpec from
     # EngineConfig.enable_expert_parallel. True: each TP rank holds num_experts / tp whole experts.
     expert_parallel: bool = False
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Hugging Face's rule (Qwen2-MoE / Qwen3-MoE; Mixtral has no exceptions)."""
+        """Hugging Face's rule (Qwen2-MoE / Qwen3-MoE; DeepSeek; Mixtral has no exceptions)."""
         return (layer not in self.mlp_only_layers and self.num_experts > 0
-                and (layer + 1) % self.decoder_sparse_step == 0)
+                and (layer + 1) % self.decoder_sparse_step == 0
+                and layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0)
 
     @classmethod
     def from_dict(cls, arch: str, raw: dict[str, Any]) -> MoEConfig:
@@ -74,6 +92,25 @@ class MoEConfig:
                              f"gives {sorted(counts) or 'none'}")
         mixtral = arch == "MixtralForCausalLM"
         step = raw.get("decoder_sparse_step") or 1
+        if arch in DEEPSEEK:
+            v3 = arch == "DeepseekV3ForCausalLM"
+            method = "noaux_tc" if v3 else raw.get("topk_method") or "greedy"
+            if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+                raise ValueError(f"model: topk_method {method!r} is not supported (greedy, group_limited_greedy, "
+                                 "noaux_tc)")
+            if (raw.get("scoring_func") or ("sigmoid" if v3 else "softmax")) != ("sigmoid" if v3 else "softmax"):
+                raise ValueError(f"model: scoring_func {raw['scoring_func']!r} is not {arch}'s")
+            return cls(
+                num_experts=counts.pop(), top_k=raw["num_experts_per_tok"],
+                intermediate_size=raw["moe_intermediate_size"],
+                renormalize=v3 and bool(raw.get("norm_topk_prob", True)),  # V2's router never renormalizes
+                float32_routing_weights=True,
+                shared_expert_intermediate_size=raw["moe_intermediate_size"] * (raw.get("n_shared_experts") or 0),
+                scoring="sigmoid" if v3 else "softmax", topk_method=method, n_group=raw.get("n_group") or 1,
+                topk_group=raw.get("topk_group") or 1, routed_scaling_factor=raw.get("routed_scaling_factor", 1.0),
+                first_k_dense_replace=raw.get("first_k_dense_replace") or 0,
+                moe_layer_freq=raw.get("moe_layer_freq") or 1,
+            )
         return cls(
             num_experts=counts.pop(),
             top_k=raw["num_experts_per_tok"],
@@ -84,6 +121,27 @@ class MoEConfig:
             decoder_sparse_step=1 if mixtral else step,
             mlp_only_layers=() if mixtral else tuple(raw.get("mlp_only_layers") or ()),
         )
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): K and V come from one latent of kv_lora_rank values per
+    token, shared by every head, plus a rotary key part of qk_rope_head_dim; the KV cache holds just those."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None  # None: q_proj straight from the hidden state (V2-Lite)
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def latent_dim(self) -> int:
+        """Values one token keeps in a layer's KV cache: kv_lora_rank + qk_rope_head_dim (576 for the real models)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass
@@ -119,6 +177,8 @@ class ModelConfig:
     # The sliding layers' rotary base and scaling, where they differ from the full layers' (Gemma 3).
     local_rope_theta: float | None = None
     local_rope_scaling: dict[str, Any] | None = None
+    rope_interleaved: bool = False  # rotary pairs (x0, x1), (x2, x3), ... (DeepSeek), not the two halves
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek)
 
     def sliding_window_of(self, layer: int) -> int | None:
         """The window layer `layer` attends over (the last this-many positions, its own included), or None."""
@@ -161,7 +221,9 @@ class ModelConfig:
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            # DeepSeek's is the rotary part's (qk_rope_head_dim), which is all the rotary embedding needs
+            head_dim=(raw["qk_rope_head_dim"] if arch in DEEPSEEK
+                      else raw.get("head_dim") or raw["hidden_size"] // heads),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             rope_theta=rope_theta,
@@ -184,6 +246,8 @@ class ModelConfig:
             final_logit_softcapping=raw.get("final_logit_softcapping"),
             local_rope_theta=local_theta,
             local_rope_scaling=local_scaling,
+            rope_interleaved=arch in DEEPSEEK and raw.get("rope_interleave", True) is not False,
+            mla=_mla(raw) if arch in DEEPSEEK else None,
         )
 
     @classmethod
@@ -199,6 +263,12 @@ def _rope(params: dict[str, Any], theta: float) -> tuple[float, dict[str, Any] |
     if rope_type not in _ROPE_TYPES:
         raise ValueError(f"model: rope type {rope_type!r} is not supported ({', '.join(_ROPE_TYPES)})")
     return theta, None if rope_type == "default" else {**params, "rope_type": rope_type}
+
+
+def _mla(raw: dict[str, Any]) -> MLAConfig:
+    return MLAConfig(kv_lora_rank=raw["kv_lora_rank"], q_lora_rank=raw.get("q_lora_rank"),
+                     qk_nope_head_dim=raw["qk_nope_head_dim"], qk_rope_head_dim=raw["qk_rope_head_dim"],
+                     v_head_dim=raw["v_head_dim"])
 
 
 def _layer_types(arch: str, raw: dict[str, Any], sliding: int | None) -> tuple[str, ...]:

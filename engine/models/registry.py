@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MoEForCausalLM
@@ -16,6 +17,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3MoeForCausalLM": MoEForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
 }
 
 

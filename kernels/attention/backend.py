@@ -84,6 +84,9 @@ class AttentionBackend(ABC):
         self.device = device
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_windows = tuple(sorted(set(sliding_windows)))
+        # The step's metadata, kept by plan(): layers that attend on their own read it (DeepSeek's latent
+        # attention, engine/models/deepseek.py).
+        self.metadata: AttentionMetadata | None = None
 
     @abstractmethod
     def kv_cache_shape(self) -> tuple[int, ...]:
@@ -91,7 +94,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def plan(self, metadata: AttentionMetadata) -> None:
-        """Prepare for one step's forward; called once per step, before any layer."""
+        """Prepare for one step's forward; called once per step, before any layer. Keeps `metadata`."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -59,6 +59,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         return (self.num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     def plan(self, md: AttentionMetadata) -> None:
+        self.metadata = md
         nd = md.num_decodes
         self._num_decodes, self._num_decode_tokens = nd, md.query_start_loc_cpu[nd]
         self._has_prefill = md.num_seqs > nd

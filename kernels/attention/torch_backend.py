@@ -79,6 +79,7 @@ class TorchAttentionBackend(AttentionBackend):
         return (self.num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     def plan(self, md: AttentionMetadata) -> None:
+        self.metadata = md
         bs, nd = self.block_size, md.num_decodes
         self._num_decodes = nd
         self._decode_lens = md.seq_lens[:nd]

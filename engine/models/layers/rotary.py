@@ -1,5 +1,5 @@
-"""Rotary position embeddings (neox style; Llama 3 and linear frequency scaling), matched to Hugging Face
-transformers."""
+"""Rotary position embeddings (neox style, or DeepSeek's interleaved pairs; Llama 3, linear and YaRN frequency
+scaling), matched to Hugging Face transformers."""
 
 from __future__ import annotations
 
@@ -11,12 +11,51 @@ from torch import nn
 from kernels.cpu import elementwise
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What YaRN multiplies cos and sin by (transformers' attention_factor); 1 otherwise."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """transformers' _compute_yarn_parameters: interpolated frequencies blended into the original ones over
+    the dimensions between beta_fast and beta_slow rotations."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
     if scaling["rope_type"] == "linear":  # positions divided by the factor
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     # Llama 3.1 frequency scaling, as in transformers' _compute_llama3_parameters.
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -30,10 +69,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate_half), with a cos/sin cache indexed by position."""
+    """Neox-style rotary embedding (rotate_half), or with `interleaved` DeepSeek's pairs (whose output is
+    laid out as the two halves: q and k rotate alike, so their dot products are the pairs' own), with a
+    cos/sin cache indexed by position."""
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None) -> None:
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None,
+                 interleaved: bool = False) -> None:
         super().__init__()
+        self.interleaved = interleaved
         # Computed on the CPU, then placed where the model is built. On the meta device (ModelSpec's layout
         # check builds every model there) these ops would import torch._dynamo for their reference
         # implementations: 2-3 s of every process that checks a config.
@@ -41,10 +84,14 @@ class RotaryEmbedding(nn.Module):
         with torch.device("cpu"):
             inv_freq = rope_inv_freq(head_dim, theta, scaling)
             freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", freqs.cos().to(device), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(device), persistent=False)
+            factor = rope_attention_factor(scaling)
+        self.register_buffer("cos", (freqs.cos() * factor).to(device), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * factor).to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.interleaved:
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+            return _rotate_pairs(q, cos, sin), _rotate_pairs(k, cos, sin)
         if elementwise.available(q):
             return (elementwise.rotary_neox(q, positions, self.cos, self.sin),
                     elementwise.rotary_neox(k, positions, self.cos, self.sin))
@@ -56,4 +103,10 @@ class RotaryEmbedding(nn.Module):
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The torch path (and the reference for kernels/cpu/elementwise.cpp)."""
     x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Each pair (x[2i], x[2i+1]) rotated by its frequency; out[i] and out[d/2 + i] hold the pair."""
+    x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

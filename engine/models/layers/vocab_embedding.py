@@ -51,7 +51,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
-        self.weight_is_shared = True
+        self.keeps_weight = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits on the TP group's first rank; None on the others."""

@@ -24,7 +24,8 @@ class DenseLinearMethod(QuantMethod):
         if weight.device.type != "cpu" or not packing_available(weight.dtype):
             return
         layer.register_buffer("packed_weight", pack_weight(weight, batch_size_hint))
-        if not getattr(layer, "weight_is_shared", False):  # a tied LM head's weight is the embedding's
+        # Kept where it is read elsewhere too: a tied LM head's is the embedding's; MLA's decode reads kv_b_proj's.
+        if not getattr(layer, "keeps_weight", False):
             del layer.weight
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
