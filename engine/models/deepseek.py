@@ -18,7 +18,9 @@ latents), which the scale-out issue adds.
 DeepSeekMoE. A router over n_routed_experts (V2: softmax, greedy or group-limited greedy top-k; V3: sigmoid
 scores, groups and experts chosen on them plus e_score_correction_bias, weights normalized), scaled by
 routed_scaling_factor; ungated shared experts on every token; dense MLPs before first_k_dense_replace.
-Attention scores scale by qk_head_dim ** -0.5, times mscale(factor, mscale_all_dim) ** 2 under YaRN."""
+Attention scores scale by qk_head_dim ** -0.5, times mscale(factor, mscale_all_dim) ** 2 under YaRN.
+FP8 block-quantized checkpoints (the release format) are dequantized at load: linear layers by fp8.py, the
+experts by fp8_moe.py; the router stays in its checkpoint's float."""
 
 from __future__ import annotations
 
@@ -66,9 +68,9 @@ class MLAAttention(nn.Module):
         self.kv_a_proj_with_mqa = ReplicatedLinear(h, mla.latent_dim, bias=cfg.o_proj_bias,
                                                    quant_config=quant_config, prefix=f"{prefix}.kv_a_proj_with_mqa")
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, cfg.rms_norm_eps)
-        # Read whole by the absorbed decode (W_UK, W_UV): never quantized, its weight kept beside the packed one.
+        # Read whole by the absorbed decode (W_UK, W_UV): its (dequantized) weight kept beside the packed one.
         self.kv_b_proj = ColumnParallelLinear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim),
-                                              prefix=f"{prefix}.kv_b_proj")
+                                              quant_config=quant_config, prefix=f"{prefix}.kv_b_proj")
         self.kv_b_proj.keeps_weight = True
         self.o_proj = RowParallelLinear(heads * mla.v_head_dim, h, bias=cfg.o_proj_bias, quant_config=quant_config,
                                         prefix=f"{prefix}.o_proj")
@@ -212,9 +214,10 @@ class DeepseekForCausalLM(MoEForCausalLM):
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # q_proj stays whole
 
     def __init__(self, cfg: ModelConfig, quant_config: QuantizationConfig | None = None) -> None:
-        if quant_config is not None:
+        if quant_config is not None and quant_config.name != "fp8":
             raise ValueError(f"quantization: {quant_config.name} is not supported for {cfg.architecture} yet "
-                             "(its latent attention and routers read their weights whole); serve it unquantized")
+                             "(its latent attention reads kv_b_proj whole); serve it unquantized or from an FP8 "
+                             "block-quantized checkpoint (DeepSeek's release format: dequantized at load)")
         super().__init__(cfg, quant_config)
 
     def checkpoint_to_param(self, name: str) -> tuple[str, object] | None:

@@ -25,7 +25,7 @@ from engine.models.llama import MLP, DecoderLayer, LlamaForCausalLM, checkpoint_
 # Checkpoint names of an expert's projections (Qwen / DeepSeek style, Mixtral style) -> gate, up, down.
 _EXPERT_PROJECTION_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
                             "w1": "gate", "w3": "up", "w2": "down"}
-_EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
+_EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight(_scale_inv)?$")  # FP8 tile scales too
 
 
 class SparseMoeBlock(nn.Module):
@@ -86,7 +86,8 @@ class MoEForCausalLM(LlamaForCausalLM):
         match = _EXPERT_TENSOR.match(name)
         if match and match[3] in _EXPERT_PROJECTION_NAMES:
             projection = _EXPERT_PROJECTION_NAMES[match[3]]
-            return f"{match[1]}.{EXPERT_PROJECTIONS[projection][0]}", (int(match[2]), projection)
+            suffix = match[4] or ""
+            return f"{match[1]}.{EXPERT_PROJECTIONS[projection][0]}{suffix}", (int(match[2]), projection)
         return super().checkpoint_to_param(name)
 
     def _expected_weights(self) -> set[tuple[str, object]]:

@@ -58,6 +58,10 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 class FusedMoEMethod(ABC):
     """How a FusedMoE layer's expert weights are stored and multiplied (dense, or a quantized format)."""
 
+    # What each expert projection's checkpoint tensors add to the parameter's name (`w13_weight` + suffix):
+    # FP8 block-quantized experts bring their tile scales (`_scale_inv`).
+    suffixes: tuple[str, ...] = ("",)
+
     @abstractmethod
     def create_weights(self, layer: FusedMoE, num_local_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype) -> None:
@@ -200,7 +204,8 @@ class FusedMoE(nn.Module):
     def expected_shards(self) -> list[tuple[str, tuple[int, str]]]:
         """(parameter, (expert, projection)) for every checkpoint tensor this rank must load."""
         local = range(self.expert_start, self.expert_start + self.num_local_experts)
-        return [(param, (e, proj)) for e in local for proj, (param, _) in EXPERT_PROJECTIONS.items()]
+        return [(param + suffix, (e, proj)) for e in local for proj, (param, _) in EXPERT_PROJECTIONS.items()
+                for suffix in self.quant_method.suffixes]
 
     def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor, shard_id: tuple[int, str]) -> None:
         """Copy expert `e`'s `proj` ("gate", "up" or "down") into its slot; other ranks' experts are skipped."""

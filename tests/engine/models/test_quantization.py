@@ -82,6 +82,9 @@ CASES = {
     "fp8_block": ("llama", write_fp8, dict(scales="block"), {None}),
     "fp8_tensor": ("qwen2", write_fp8, dict(scales="tensor"), {None}),
     "fp8_channel": ("mistral", write_fp8, dict(scales="channel"), {None}),
+    # DeepSeek-V3's release format: attention, dense MLP, shared and routed experts in FP8 tiles (8 x 8 here:
+    # the toy model's 40-wide latent projection), the router in float.
+    "fp8_block_deepseek_v3": ("deepseek_v3", write_fp8, dict(scales="block", block=8), {None}),
 }
 
 

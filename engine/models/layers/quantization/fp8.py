@@ -6,7 +6,7 @@ a GPU matter: here activations stay in the compute dtype (FP8 weights, 16/32-bit
 Per linear layer: `weight` float8_e4m3fn [N, K] and either `weight_scale_inv` [ceil(N / bn), ceil(K / bk)]
 (block [bn, bk] = weight_block_size: W = weight * scale of its tile) or `weight_scale`: one value per
 tensor (per sub-projection of a fused layer) or one per output row. A static `input_scale` is read and
-unused."""
+unused. Experts with block scales: fp8_moe.py."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.models.layers.fused_moe import FusedMoE
 from engine.models.layers.quantization.base import QuantizationConfig, QuantMethod
 from engine.models.layers.quantization.dense import DenseLinearMethod
+from engine.models.layers.quantization.fp8_moe import Fp8BlockFusedMoEMethod
 from engine.models.layers.quantization.weight_only import quant_param
 
 _DENSE = DenseLinearMethod()  # the dequantized weight computes as a dense layer
@@ -45,7 +47,14 @@ class Fp8Config(QuantizationConfig):
         return cls(tuple(block) if block else None, skip)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethod | None:
-        return None if self.is_skipped(prefix, self.skip) else Fp8LinearMethod(self)
+        if self.is_skipped(prefix, self.skip):
+            return None
+        if isinstance(layer, FusedMoE):
+            if self.block is None:
+                raise ValueError(f"quantization: fp8 experts without weight_block_size ({prefix}) are not supported; "
+                                 "block-quantized ones (DeepSeek-V3's format) are")
+            return Fp8BlockFusedMoEMethod(self.block)
+        return Fp8LinearMethod(self)
 
 
 class Fp8LinearMethod(QuantMethod):
