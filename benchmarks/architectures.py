@@ -17,7 +17,7 @@ context (8k and 32k tokens), a request of that length is prefilled in chunks of 
 holds in each group at the end, in bytes (bfloat16), against one pool on every layer, and how many such
 requests a 16 GiB KV budget then holds. The blocks are counted from the managers, not from a formula.
 
-Not yet here (issue 35): gpt-oss (not served yet), and throughput against vLLM's CPU backend."""
+Not yet here (issue 35): throughput against vLLM's CPU backend."""
 
 from __future__ import annotations
 
@@ -45,6 +45,12 @@ SHAPES = {
                        num_key_value_heads=4, head_dim=256, sliding_window=1024, sliding_window_pattern=6),
     "Gemma 3 27B": dict(architectures=["Gemma3ForCausalLM"], num_hidden_layers=62, num_attention_heads=32,
                         num_key_value_heads=16, head_dim=128, sliding_window=1024, sliding_window_pattern=6),
+    "gpt-oss-20b": dict(architectures=["GptOssForCausalLM"], num_hidden_layers=24, num_attention_heads=64,
+                        num_key_value_heads=8, head_dim=64, sliding_window=128, num_local_experts=32,
+                        num_experts_per_tok=4, layer_types=["sliding_attention", "full_attention"] * 12),
+    "gpt-oss-120b": dict(architectures=["GptOssForCausalLM"], num_hidden_layers=36, num_attention_heads=64,
+                         num_key_value_heads=8, head_dim=64, sliding_window=128, num_local_experts=128,
+                         num_experts_per_tok=4, layer_types=["sliding_attention", "full_attention"] * 18),
 }
 
 

@@ -44,6 +44,7 @@ def _arch_configs():
         DeepseekV2Config,
         DeepseekV3Config,
         Gemma3TextConfig,
+        GptOssConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -95,6 +96,14 @@ def _arch_configs():
                                         rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                       "original_max_position_embeddings": 256, "mscale": 0.707,
                                                       "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}),
+        # Attention sinks, 2 of 4 layers over a 16-token window, YaRN, clamped SwiGLU experts (a limit the random
+        # activations reach) with biases.
+        "gpt_oss": GptOssConfig(**{**_SMALL, "num_hidden_layers": 4, "intermediate_size": 32}, head_dim=16,
+                                num_local_experts=8, num_experts_per_tok=2, sliding_window=16, swiglu_limit=0.5,
+                                tie_word_embeddings=False,
+                                rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
+                                                 "truncate": False, "original_max_position_embeddings": 256,
+                                                 "rope_theta": 150000.0}),
         "deepseek_v3": DeepseekV3Config(**_DEEPSEEK, q_lora_rank=48, n_group=2, topk_group=1, first_k_dense_replace=1,
                                         norm_topk_prob=True, routed_scaling_factor=2.5),
     }
@@ -106,7 +115,7 @@ _DEEPSEEK = dict(vocab_size=32000, hidden_size=64, intermediate_size=96, moe_int
                  max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
-MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
+MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss"]
 
 
 def write_hf_checkpoint(arch: str, path: Path, max_shard_size: str | None = None) -> Path:

@@ -143,6 +143,10 @@ class Worker:
         layer = self.model.attention_layers[0]
         backend_cls = get_attention_backend(self.config.attention_backend, self.device.type)
         windows = tuple({a.sliding_window for a in self.model.attention_layers if a.sliding_window})
+        if backend_cls.name == "flashinfer" and any(getattr(a, "sinks", None) is not None
+                                                    for a in self.model.attention_layers):
+            raise ValueError("attention_backend: flashinfer does not apply attention sinks (gpt-oss) yet; use "
+                             "attention_backend='torch'")
         self.attn_backend = backend_cls(layer.num_heads, layer.num_kv_heads, layer.head_dim, self.config.block_size,
                                         num_blocks, self.spec.dtype, self.device, scale=layer.scale,
                                         sliding_windows=windows)

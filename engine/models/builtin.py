@@ -53,6 +53,14 @@ _DEEPSEEK_V3_ARCH = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "
                      "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
                      "moe_intermediate_size": 32, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
                      "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True}
+# gpt-oss's shape at toy size: 4 layers alternating a 128-token window and full attention, attention sinks,
+# YaRN, 8 clamped-SwiGLU experts of 32 with biases, top-2.
+_GPT_OSS_ARCH = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+                 "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 128, "swiglu_alpha": 1.702,
+                 "swiglu_limit": 7.0, "layer_types": ["sliding_attention", "full_attention"] * 2,
+                 "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32, "beta_slow": 1,
+                                     "truncate": False, "original_max_position_embeddings": 512,
+                                     "rope_theta": 150000.0}}
 BUILTIN_MODELS: dict[str, dict] = {
     "pagedserve-tiny": {
         **_ARCH, **_COMMON, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
@@ -79,6 +87,10 @@ BUILTIN_MODELS: dict[str, dict] = {
         **_COMMON, **_GEMMA3_ARCH, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 6,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
         "rope_theta": 1_000_000.0, "tie_word_embeddings": True,
+    },
+    "pagedserve-tiny-gpt-oss": {
+        **_COMMON, **_GPT_OSS_ARCH, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
     },
     "pagedserve-tiny-deepseek-v3": {
         **_COMMON, **_DEEPSEEK_V3_ARCH, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 3,
@@ -133,7 +145,8 @@ _FORMAT_VERSION = 1  # bump when the files written below change
 # tokenizer's config) can change without changing the weights. A model not listed seeds from its spec.
 _WEIGHT_SEEDS = {"pagedserve-tiny": 0x24A9A3D7, "pagedserve-56m": 0x7BED96D1, "pagedserve-600m": 0x600D5EED,
                  "pagedserve-tiny-moe": 0x5E1F0C2B, "pagedserve-56m-moe": 0x3A7C94E5,
-                 "pagedserve-tiny-gemma3": 0x6E3A3001, "pagedserve-tiny-deepseek-v3": 0xD5EE3003}
+                 "pagedserve-tiny-gemma3": 0x6E3A3001, "pagedserve-tiny-deepseek-v3": 0xD5EE3003,
+                 "pagedserve-tiny-gpt-oss": 0x6F550004}
 
 
 def cache_root() -> Path:

@@ -28,11 +28,13 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     # engine/models/deepseek.py: multi-head latent attention and DeepSeek's routed plus shared experts.
     "DeepseekV2ForCausalLM": {},
     "DeepseekV3ForCausalLM": {},
+    # engine/models/gpt_oss.py: attention sinks, alternating sliding-window layers, clamped SwiGLU experts.
+    "GptOssForCausalLM": {},
 }
 # Where each MoE architecture's config.json counts its experts: transformers 5 writes `num_local_experts`
 # for Qwen3-MoE (an attribute_map) where hub files say `num_experts`; DeepSeek says `n_routed_experts`.
 MOE_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                               "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"})
+                               "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM"})
 DEEPSEEK = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"})
 # Qwen configs carry a sliding_window that only applies with use_sliding_window.
 _QWEN_SLIDING_FLAG = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
@@ -74,6 +76,9 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     first_k_dense_replace: int = 0
     moe_layer_freq: int = 1
+    # gpt-oss's clamped SwiGLU experts (engine/models/gpt_oss.py)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # How the engine runs the experts, not a checkpoint fact: set by ModelSpec from
     # EngineConfig.enable_expert_parallel. True: each TP rank holds num_experts / tp whole experts.
     expert_parallel: bool = False
@@ -92,6 +97,10 @@ class MoEConfig:
                              f"gives {sorted(counts) or 'none'}")
         mixtral = arch == "MixtralForCausalLM"
         step = raw.get("decoder_sparse_step") or 1
+        if arch == "GptOssForCausalLM":  # the softmax runs over the top-k logits alone, in the model's dtype
+            return cls(num_experts=counts.pop(), top_k=raw["num_experts_per_tok"],
+                       intermediate_size=raw["intermediate_size"], renormalize=False, float32_routing_weights=False,
+                       swiglu_alpha=raw.get("swiglu_alpha", 1.702), swiglu_limit=raw.get("swiglu_limit", 7.0))
         if arch in DEEPSEEK:
             v3 = arch == "DeepseekV3ForCausalLM"
             method = "noaux_tc" if v3 else raw.get("topk_method") or "greedy"

@@ -59,6 +59,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.kv_cache = torch.empty(0)  # bound by the worker (Worker.init_kv_cache)
+        self.register_parameter("sinks", None)  # gpt-oss's per-head attention sinks (engine/models/gpt_oss.py)
 
     norm_cls: type[nn.Module] = RMSNorm  # Gemma's differs
 
@@ -71,7 +72,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
-        out = backend.forward(q, k, v, self.kv_cache, self.sliding_window)
+        out = backend.forward(q, k, v, self.kv_cache, self.sliding_window, self.sinks)
         return self.o_proj(out.view(n, self.q_size))
 
 

@@ -78,7 +78,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         # balance the engine's metrics export. Every TP rank routes every token, so any rank's count will do.
         self.expert_load = torch.zeros(cfg.moe.num_experts, dtype=torch.int64)
         for module in self.modules():
-            if isinstance(module, FusedMoE):
+            if module is not self and hasattr(module, "expert_load"):  # FusedMoE, gpt-oss's experts
                 module.expert_load = self.expert_load
 
     def checkpoint_to_param(self, name: str) -> tuple[str, object] | None:

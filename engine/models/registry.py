@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MoEForCausalLM
 
@@ -19,6 +20,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

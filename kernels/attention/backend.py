@@ -98,7 +98,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store k, v [num_tokens, num_kv_heads, head_dim] in kv_cache, then attend q
         [num_tokens, num_heads, head_dim] causally over each sequence's context (with `sliding_window`, one of
-        the backend's: over the last this-many positions, the query's own included). Returns q's shape."""
+        the backend's: over the last this-many positions, the query's own included; with `sinks` [num_heads],
+        each head's learned logit joins its softmax's denominator). Returns q's shape."""

@@ -6,7 +6,8 @@ call each, causal with their cached context in front. Decodes run, on CPU, throu
 that reads the blocks in place (kernels/cpu); elsewhere, or without a compiler, as one batched SDPA call
 over gathered, padded K/V in which the g query heads sharing a KV head act as g query positions.
 A sliding-window layer's prefill gathers only the blocks its window reaches, under a banded mask; its
-decodes read only the window's blocks."""
+decodes read only the window's blocks. Attention sinks (gpt-oss's learned per-head logit in the softmax's
+denominator) are, for SDPA, one more key whose value is zero and whose score the mask sets to the sink."""
 
 from __future__ import annotations
 
@@ -126,20 +127,24 @@ class TorchAttentionBackend(AttentionBackend):
         return blocks[:, 0].reshape(shape), blocks[:, 1].reshape(shape)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         tables = self._tables[sliding_window]
         store_kv(kv_cache, k, v, tables.k_rows, tables.v_rows)
         out = torch.empty_like(q)
         nd = self._num_decodes
         if nd and self._cpu_kernels is not None:
+            no_sinks = self._decode_lens.new_empty(0, dtype=torch.float32)
             self._cpu_kernels.paged_decode_attention(out[:nd], q[:nd].contiguous(), kv_cache, tables.decode_tables,
-                                                     self._decode_lens, self.scale, sliding_window or 0)
+                                                     self._decode_lens, self.scale, sliding_window or 0,
+                                                     no_sinks if sinks is None else sinks.float().contiguous())
         elif nd:
             keys, values = self._gather(kv_cache, tables.decode_block_ids)
             shape = (nd, self._decode_num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
             keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
             queries = q[:nd].view(nd, self.num_kv_heads, self.group, self.head_dim)
             mask = self._decode_masks[sliding_window]
+            if sinks is not None:  # the heads are (KV head, group) here
+                keys, values, mask = _with_sinks(keys, values, mask, sinks.view(1, self.num_kv_heads, self.group, 1))
             out[:nd] = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
                                                       scale=self.scale).view(nd, -1, self.head_dim)
         for p, block_ids in zip(self._prefills, tables.prefill_block_ids):
@@ -150,7 +155,27 @@ class TorchAttentionBackend(AttentionBackend):
             num_keys = p.context_len - first_block * self.block_size
             keys, values = keys[:num_keys].transpose(0, 1)[None], values[:num_keys].transpose(0, 1)[None]
             queries = q[p.q_start : p.q_end].transpose(0, 1)[None]
+            if sinks is not None:
+                if mask is None:
+                    q_len = p.q_end - p.q_start
+                    mask = torch.ones(q_len, num_keys, dtype=torch.bool, device=q.device).tril(num_keys - q_len)
+                keys = keys.repeat_interleave(self.group, 1)  # the sink's column is per head: no GQA broadcast
+                values = values.repeat_interleave(self.group, 1)
+                keys, values, mask = _with_sinks(keys, values, mask, sinks.view(1, -1, 1, 1))
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=mask is None,
-                                               scale=self.scale, enable_gqa=self.group > 1)
+                                               scale=self.scale, enable_gqa=self.group > 1 and sinks is None)
             out[p.q_start : p.q_end] = o[0].transpose(0, 1)
         return out
+
+
+def _with_sinks(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys and values with one more position (zeros) and an additive float mask that gives it each head's
+    sink logit (`sinks` broadcast over the mask's leading dims): softmax then sums exp(sink) into its
+    denominator and nothing into the output."""
+    zeros = keys.new_zeros(*keys.shape[:-2], 1, keys.shape[-1])
+    keys, values = torch.cat([keys, zeros], -2), torch.cat([values, zeros[..., : values.shape[-1]]], -2)
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+    bias = bias.expand(*torch.broadcast_shapes(bias.shape[:-1], sinks.shape[:-1]), bias.shape[-1])
+    sink = sinks.float().expand(*bias.shape[:-1], 1)
+    return keys, values, torch.cat([bias, sink], -1).to(keys.dtype)

@@ -7,7 +7,9 @@
 // Layout (shared with FlashInfer's NHD paged layout): cache [num_blocks, 2, block_size, num_kv_heads,
 // head_dim], K then V of a block side by side, so one block is one contiguous run of memory for every
 // head. One work item per sequence; a KV head's g query heads share each K/V load. A sliding-window layer
-// (window > 0) reads only the blocks that hold its last `window` positions.
+// (window > 0) reads only the blocks that hold its last `window` positions. Attention sinks (gpt-oss: a learned
+// logit per head in the softmax's denominator, with no value) start each head's online softmax: max = sink,
+// sum = exp(0) = 1.
 
 // ATen's tensor, dispatch and parallel headers and torch's pybind11 type casters, not torch/extension.h: that one
 // also pulls in the whole C++ frontend (nn, optim, data, jit), which made each build ~4x slower for nothing we
@@ -52,7 +54,7 @@ inline float softmax_exp(float x) {
 template <typename scalar_t, int kHeadDim>
 void decode(const scalar_t* q, const scalar_t* cache, const int32_t* block_tables, const int32_t* seq_lens,
             scalar_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-            int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
+            int64_t block_size, int64_t max_blocks, float scale, int64_t window, const float* sinks) {
   const int64_t group = num_heads / num_kv_heads, H = num_heads;
   const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
   const int64_t half = block_size * num_kv_heads * D;  // elements of a block's K (or V)
@@ -63,8 +65,10 @@ void decode(const scalar_t* q, const scalar_t* cache, const int32_t* block_table
       const int32_t* table = block_tables + seq * max_blocks;
       for (int64_t i = 0; i < H * D; ++i) query[i] = static_cast<float>(q[seq * H * D + i]) * scale;
       std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(row_sum.begin(), row_sum.end(), 0.f);
+      for (int64_t h = 0; h < H; ++h) {
+        row_max[h] = sinks != nullptr ? sinks[h] : -std::numeric_limits<float>::infinity();
+        row_sum[h] = sinks != nullptr ? 1.f : 0.f;
+      }
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;  // the first position seen
       for (int64_t b = first / block_size, start = b * block_size; start < len; start += block_size, ++b) {
         const int64_t t0 = std::max<int64_t>(0, first - start);  // positions of this block before the window
@@ -128,18 +132,22 @@ void decode(const scalar_t* q, const scalar_t* cache, const int32_t* block_table
 // out, q: [num_seqs, num_heads, head_dim]; cache: [num_blocks, 2, block_size, num_kv_heads, head_dim];
 // block_tables: int32 [num_seqs, max_blocks]; seq_lens: int32 [num_seqs], each >= 1.
 // window: a sliding-window layer's (the last `window` positions, the query's own included); 0 for none.
+// sinks: float32 [num_heads], each head's sink logit, or empty for none.
 void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor cache, at::Tensor block_tables,
-                            at::Tensor seq_lens, double scale, int64_t window) {
+                            at::Tensor seq_lens, double scale, int64_t window, at::Tensor sinks) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kInt, "block_tables: int32");
   TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.scalar_type() == at::kInt, "seq_lens: int32");
   TORCH_CHECK(cache.dim() == 5 && cache.size(1) == 2, "cache: [num_blocks, 2, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(sinks.numel() == 0 || (sinks.is_contiguous() && sinks.scalar_type() == at::kFloat &&
+                                     sinks.numel() == q.size(1)), "sinks: float32 [num_heads] or empty");
+  const float* sink_logits = sinks.numel() ? sinks.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     auto run = [&](auto head_dim_tag) {
       decode<scalar_t, decltype(head_dim_tag)::value>(
           q.data_ptr<scalar_t>(), cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
           seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), q.size(0), q.size(1), cache.size(3), q.size(2),
-          cache.size(2), block_tables.size(1), static_cast<float>(scale), window);
+          cache.size(2), block_tables.size(1), static_cast<float>(scale), window, sink_logits);
     };
     switch (q.size(2)) {
       case 64: run(std::integral_constant<int, 64>{}); break;

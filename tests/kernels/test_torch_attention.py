@@ -113,7 +113,7 @@ def write_context(kv_cache: torch.Tensor, seqs: list[Seq], block_size: int) -> N
 
 
 def reference(seq: Seq, num_heads: int, num_kv_heads: int, window: int | None = None,
-              scale: float = HEAD_DIM**-0.5) -> torch.Tensor:
+              scale: float = HEAD_DIM**-0.5, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Plain causal softmax attention of the step's queries over the whole sequence (or the last `window`
     positions of it), in float64."""
     group = num_heads // num_kv_heads
@@ -126,6 +126,9 @@ def reference(seq: Seq, num_heads: int, num_kv_heads: int, window: int | None = 
     if window is not None:
         visible &= torch.arange(seq.seq_len)[None, :] > query_pos - window
     scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:  # gpt-oss: each head's sink logit joins the softmax, with no value
+        sink = sinks.double().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        return (torch.cat([scores, sink], -1).softmax(-1)[..., :-1] @ v).transpose(0, 1).float()
     return (scores.softmax(-1) @ v).transpose(0, 1).float()  # [q_len, heads, dim]
 
 
@@ -147,6 +150,7 @@ def run_step(
     fused_qkv: bool = False,
     window: int | None = None,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     # Twice the blocks the batch needs, so that the block ids are scattered over the cache.
@@ -169,10 +173,11 @@ def run_step(
     if fused_qkv:
         q, k, v = fused_views(q, k, v)
         assert not k.is_contiguous()
-    out = backend.forward(q, k, v, kv_cache, window)
+    out = backend.forward(q, k, v, kv_cache, window, sinks)
 
     assert out.shape == q.shape and out.dtype == torch.float32
-    expected = torch.cat([reference(s, num_heads, num_kv_heads, window, scale or HEAD_DIM**-0.5) for s in seqs])
+    expected = torch.cat([reference(s, num_heads, num_kv_heads, window, scale or HEAD_DIM**-0.5, sinks)
+                          for s in seqs])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
     # This step's K/V landed in their slots, and nothing else in the cache moved.
@@ -246,6 +251,16 @@ def test_sliding_window_matches_reference(
     shapes = [(0, 1), (window - 1, 1), (window, 1), (3 * window + 5, 1), (0, 2 * window + 3), (window + 7, 9),
               (2 * window, window), (1, 3)]
     run_step(shapes, num_heads, num_kv_heads, block_size, 11, use_cpu_kernel, window=window, scale=0.3)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (4, 4)])
+def test_attention_sinks_match_reference(num_heads: int, num_kv_heads: int, window: int | None,
+                                         use_cpu_kernel: bool) -> None:
+    """gpt-oss's sinks, large and small against the scores, with and without a window and cached context."""
+    sinks = torch.linspace(-3.0, 4.0, num_heads)
+    shapes = [(0, 1), (7, 1), (30, 1), (0, 12), (9, 6), (20, 1), (1, 3)]
+    run_step(shapes, num_heads, num_kv_heads, 4, 13, use_cpu_kernel, window=window, sinks=sinks)
 
 
 def test_two_steps_read_what_the_first_wrote() -> None:

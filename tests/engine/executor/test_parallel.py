@@ -67,9 +67,11 @@ def four_ranks(hf_checkpoint):
 
 # Every layout for llama and qwen3; the others differ from them inside the layers (mistral: sliding window,
 # qwen2: QKV biases, deepseek_v3: latent attention with its heads split and its latent cache whole on each rank,
-# gemma3: Gemma's layers and window layers' KV groups), which only tensor parallelism splits: TP=2 alone.
+# gemma3: Gemma's layers and window layers' KV groups, gpt_oss: attention sinks split with the heads and experts
+# split by interleaved gate/up features), which only tensor parallelism splits: TP=2 alone.
 @pytest.mark.parametrize("arch,layout", [(arch, layout) for arch in ("llama", "qwen3") for layout in LAYOUTS]
-                         + [("mistral", "tp2"), ("qwen2", "tp2"), ("deepseek_v3", "tp2"), ("gemma3", "tp2")])
+                         + [("mistral", "tp2"), ("qwen2", "tp2"), ("deepseek_v3", "tp2"), ("gemma3", "tp2"),
+                            ("gpt_oss", "tp2")])
 def test_parallel_greedy_parity(arch, layout, hf_checkpoint, four_ranks):
     variants = list(VARIANTS) if arch in ("llama", "qwen3") else ["default"]
     if layout == "tp2pp2" and arch in ("llama", "qwen3"):  # shared with the tests below

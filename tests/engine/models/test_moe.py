@@ -31,7 +31,8 @@ HF_EXPERTS = {"experts_implementation": "grouped_mm"}
 # spinning against each other slowed these tests 50x on a shared 2-core host.
 POOL = {**PARALLEL_POOL, "num_threads": 1}
 _MOE_LAYERS = {"mixtral": 2, "qwen2_moe": 1, "qwen3_moe": 2,  # Qwen2-MoE's layer 1 is in mlp_only_layers
-               "deepseek_v2": 3, "deepseek_v3": 2}  # V3's first layer is dense (first_k_dense_replace)
+               "deepseek_v2": 3, "deepseek_v3": 2,  # V3's first layer is dense (first_k_dense_replace)
+               "gpt_oss": 4}
 
 
 def _reference(path: str, prompt: list[int], n: int = NEW_TOKENS):
