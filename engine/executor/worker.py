@@ -98,8 +98,7 @@ class Worker:
         return weight_bytes(self.model)
 
     def kv_bytes_per_block(self) -> list[int]:
-        """Bytes of one block of each KV cache group over this rank's layers of it: a K and a V (the factor 2)
-        of block_size tokens, each num_kv_heads x head_dim."""
+        """Bytes of one block of each KV cache group over this rank's layers of it (`_kv_block_shape`)."""
         per_group = [0] * len(self.kv_groups.windows)
         for attn in self.model.attention_layers:
             per_group[self.kv_groups.windows.index(attn.sliding_window)] += (
@@ -107,8 +106,9 @@ class Worker:
         return per_group
 
     def _kv_block_shape(self, attn) -> tuple[int, ...]:
-        """One block of a layer's KV cache: K and V of block_size tokens (the backend's layout); for latent
-        attention (DeepSeek's MLA), block_size latents of latent_dim values: no K and V, no factor 2."""
+        """One block of a layer's KV cache: K and V (the factor 2) of block_size tokens, num_kv_heads x head_dim
+        each (the backends' NHD layout, kernels/attention/backend.py); for latent attention (DeepSeek's MLA),
+        block_size latents of latent_dim values: no K and V, no factor 2."""
         if getattr(attn, "latent_dim", None):
             return (self.config.block_size, attn.latent_dim)
         return (2, self.config.block_size, attn.num_kv_heads, attn.head_dim)

@@ -9,7 +9,8 @@ softmax over their logits alone; each expert's gate and up projections are one i
 bias. Checkpoints store each layer's experts fused ([E, H, 2I], [E, I, H] and their biases), as here. Under
 tensor parallelism each rank holds its slice of every expert's intermediate features (interleaved pairs stay
 together) and the down bias is added once, on rank 0, before the all-reduce. MXFP4 expert weights (the release
-format) are not read yet."""
+format, quantization/mxfp4.py) are dequantized as they load: each projection once both its blocks and its
+scales are in."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from engine.models.config import ModelConfig
 from engine.models.layers import ReplicatedLinear, RotaryEmbedding
 from engine.models.layers.linear import copy_checked, divide
 from engine.models.layers.quantization import QuantizationConfig
+from engine.models.layers.quantization.mxfp4 import BLOCK, dequantize_mxfp4
 from engine.models.llama import Attention, DecoderLayer
 from engine.models.moe import MoEForCausalLM
 
@@ -39,7 +41,7 @@ class GptOssAttention(Attention):
 
 
 class GptOssExperts(nn.Module):
-    def __init__(self, cfg: ModelConfig, prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, prefix: str, mxfp4: bool = False) -> None:
         super().__init__()
         moe, h = cfg.moe, cfg.hidden_size
         tp = get_tp_group()
@@ -53,11 +55,39 @@ class GptOssExperts(nn.Module):
             param = nn.Parameter(torch.empty(shape), requires_grad=False)
             param.weight_loader = self._loader(dim, per_feature * i)
             self.register_parameter(name, param)
+        if mxfp4:
+            if i % BLOCK:
+                raise ValueError(f"tensor_parallel_size: {i} intermediate features per rank are not a multiple of "
+                                 f"MXFP4's {BLOCK}-value blocks ({prefix}); use another tensor_parallel_size")
+            # The checkpoint's [E, out, in / 32, 16] blocks and [E, out, in / 32] scales of each projection,
+            # sliced like its rows (gate/up: this rank's interleaved rows) or its blocks of inputs (down).
+            packed = {"gate_up_proj": ((e, 2 * i, h // BLOCK), 1, 2 * i),
+                      "down_proj": ((e, h, i // BLOCK), 2, i // BLOCK)}
+            for name, (shape, dim, size) in packed.items():
+                self._parameters[name].optional = True  # what the checkpoint has are the blocks and scales
+                for suffix, full in (("_blocks", (*shape, BLOCK // 2)), ("_scales", shape)):
+                    param = nn.Parameter(torch.empty(full, dtype=torch.uint8), requires_grad=False)
+                    param.weight_loader = self._packed_loader(name, suffix, dim, size)
+                    self.register_parameter(name + suffix, param)
+        self._loaded: dict[str, set[str]] = {}
         self.expert_load: torch.Tensor | None = None  # tokens routed to each expert (MoEForCausalLM's metrics)
 
     def _loader(self, dim: int | None, size: int):
         def load(param: torch.Tensor, loaded: CheckpointTensor, shard_id=None) -> None:
             copy_checked(param, loaded if dim is None else loaded.narrow(dim, self.tp_rank * size, size))
+
+        return load
+
+    def _packed_loader(self, name: str, suffix: str, dim: int, size: int):
+        def load(param: torch.Tensor, loaded: CheckpointTensor, shard_id=None) -> None:
+            copy_checked(param, loaded.narrow(dim, self.tp_rank * size, size))
+            done = self._loaded.setdefault(name, set())
+            done.add(suffix)
+            if done == {"_blocks", "_scales"}:  # [E, out, in] -> the [E, in, out] the forward multiplies by
+                blocks, scales = getattr(self, name + "_blocks"), getattr(self, name + "_scales")
+                dense = dequantize_mxfp4(blocks.data, scales.data).transpose(1, 2)
+                getattr(self, name).data.copy_(dense)
+                blocks.data, scales.data = blocks.data.new_empty(0), scales.data.new_empty(0)  # their memory back
 
         return load
 
@@ -84,7 +114,7 @@ class GptOssMoE(nn.Module):
         self.top_k = cfg.moe.top_k
         self.tp_group = get_tp_group()
         self.router = ReplicatedLinear(cfg.hidden_size, cfg.moe.num_experts, bias=True, prefix=f"{prefix}.router")
-        self.experts = GptOssExperts(cfg, f"{prefix}.experts")
+        self.experts = GptOssExperts(cfg, f"{prefix}.experts", mxfp4=quant_config is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_logits, ids = torch.topk(self.router(x), self.top_k, dim=-1)
@@ -103,9 +133,9 @@ class GptOssForCausalLM(MoEForCausalLM):
     decoder_layer_cls = GptOssDecoderLayer
 
     def __init__(self, cfg: ModelConfig, quant_config: QuantizationConfig | None = None) -> None:
-        if quant_config is not None:
+        if quant_config is not None and quant_config.name != "mxfp4":
             raise ValueError(f"quantization: {quant_config.name} is not supported for {cfg.architecture} yet (its "
-                             "experts run in float; MXFP4 checkpoints are not read yet); serve a float checkpoint")
+                             "experts run in float); serve a float or an MXFP4 checkpoint (dequantized at load)")
         if cfg.moe.expert_parallel:
             raise ValueError(f"enable_expert_parallel: {cfg.architecture}'s experts are split by their intermediate "
                              "features under tensor parallelism, not partitioned; leave it off")

@@ -215,3 +215,38 @@ def write_compressed_tensors(dense: Path, out: Path, bits: int, strategy: str, s
         if _is_linear(name):
             oracle[name] = model.get_submodule(name.removesuffix(".weight")).weight.detach().float().clone()
     return out, _write(dense, out.with_name(out.name + "-dense"), oracle, None)
+
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # FP4's magnitudes by their 3-bit code
+
+
+def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MXFP4 from the OCP microscaling definition, on w [..., K]: per block of 32 values the smallest power-of-
+    two scale 2^e that brings the block's largest magnitude within e2m1's 6 (e8m0: e + 127), each value rounded
+    to the nearest e2m1 (sign bit 3), two codes a byte, the even index in the low nibble. Returns (blocks
+    uint8 [..., K / 32, 16], scales uint8 [..., K / 32], the dequantized values)."""
+    g = w.float().reshape(*w.shape[:-1], -1, 32)
+    e = torch.ceil(torch.log2(g.abs().amax(-1) / 6)).clamp(-127, 127).nan_to_num(-127)
+    x = g / torch.exp2(e)[..., None]
+    magnitude = (x.abs()[..., None] - E2M1).abs().argmin(-1)
+    code = magnitude | ((x < 0).to(torch.int64) << 3)
+    dequantized = E2M1[magnitude] * torch.where(x < 0, -1.0, 1.0) * torch.exp2(e)[..., None]
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (e + 127).to(torch.uint8), dequantized.reshape(w.shape)
+
+
+def write_mxfp4(dense: Path, out: Path) -> tuple[Path, Path]:
+    """gpt-oss's release format: each layer's experts (gate_up_proj [E, H, 2I], down_proj [E, I, H]) as MXFP4
+    blocks and scales over their inputs ([E, out, in / 32, ...]); everything else as it was."""
+    tensors, oracle = {}, {}
+    for name, w in load_file(str(dense / "model.safetensors")).items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = oracle[name] = w
+            continue
+        blocks, scales, dequantized = _mxfp4(w.transpose(1, 2))  # quantized along the inputs
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        oracle[name] = dequantized.transpose(1, 2).contiguous()
+    config = {"quant_method": "mxfp4",
+              "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                         "lm_head"]}
+    return _write(dense, out, tensors, config), _write(dense, out.with_name(out.name + "-dense"), oracle, None)

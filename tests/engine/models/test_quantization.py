@@ -27,6 +27,7 @@ from tests.engine.models.quantized_checkpoints import (
     write_compressed_tensors,
     write_fp8,
     write_gptq,
+    write_mxfp4,
 )
 from tests.parity import assert_tokens_match, hf_greedy
 
@@ -85,6 +86,8 @@ CASES = {
     # DeepSeek-V3's release format: attention, dense MLP, shared and routed experts in FP8 tiles (8 x 8 here:
     # the toy model's 40-wide latent projection), the router in float.
     "fp8_block_deepseek_v3": ("deepseek_v3", write_fp8, dict(scales="block", block=8), {None}),
+    # gpt-oss's release format: its experts in MXFP4 (packed by the test from the format's definition).
+    "mxfp4_gpt_oss": ("gpt_oss", write_mxfp4, {}, {None}),
 }
 
 

@@ -1,6 +1,6 @@
 """Quantization methods of linear layers: each linear layer holds one QuantMethod, which creates its
 weights, turns them into their compute form after loading, and applies them. `dense` is the method of
-an unquantized model; checkpoint formats (gptq, awq, compressed-tensors, fp8) and online quantization
+an unquantized model; checkpoint formats (gptq, awq, compressed-tensors, fp8, mxfp4) and online quantization
 (int8, int4) are resolved once per engine by `resolve_quant_config`."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ CHECKPOINT_FORMATS = {
     "awq": "engine.models.layers.quantization.awq:AWQConfig",
     "compressed-tensors": "engine.models.layers.quantization.compressed_tensors:CompressedTensorsConfig",
     "fp8": "engine.models.layers.quantization.fp8:Fp8Config",
+    "mxfp4": "engine.models.layers.quantization.mxfp4:Mxfp4Config",
 }
 ONLINE_SCHEMES = ("int8", "int4")
 ONLINE_CONFIG = "engine.models.layers.quantization.online_config:OnlineQuantConfig"
