@@ -105,19 +105,16 @@ class KVCacheManager:
     def _has_room(self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock]) -> bool:
         if self.window is not None:
             self._skip_out_of_window(request, request.num_computed_tokens)
-        blocks = self.req_to_blocks.get(request.request_id, ())
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_new_blocks = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(new_computed_blocks)
+        num_new_blocks = self._num_new_blocks(request, num_new_tokens, new_computed_blocks)
         # Cache hits sitting in the free queue stop being free once touched.
         num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         return num_new_blocks <= self.block_pool.get_num_free_blocks() - num_free_hits
 
     def _allocate(self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock]) -> None:
         rid = request.request_id
+        num_new_blocks = self._num_new_blocks(request, num_new_tokens, new_computed_blocks)
         blocks = self.req_to_blocks.setdefault(rid, [])
         block_ids = self.req_to_block_ids.setdefault(rid, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_new_blocks = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(new_computed_blocks)
         if new_computed_blocks:
             null = self.block_pool.null_block
             self.block_pool.touch(b for b in new_computed_blocks if b is not null)
@@ -129,6 +126,13 @@ class KVCacheManager:
             new_blocks = self.block_pool.allocate(num_new_blocks)
             blocks.extend(new_blocks)
             block_ids.extend(b.block_id for b in new_blocks)
+
+    def _num_new_blocks(self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock]) -> int:
+        """Blocks to allocate so that this group covers the request's computed tokens, `new_computed_blocks` (a
+        hit) and `num_new_tokens` more."""
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_held = len(self.req_to_blocks.get(request.request_id, ()))
+        return -(-(num_computed + num_new_tokens) // self.block_size) - num_held - len(new_computed_blocks)
 
     def _skip_out_of_window(self, request: Request, num_computed: int) -> None:
         """Hand back the blocks no query of this window group reads any more (cached ones stay findable

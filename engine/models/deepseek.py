@@ -35,8 +35,8 @@ from engine.models.layers.fused_moe import FusedMoE
 from engine.models.layers.linear import divide
 from engine.models.layers.quantization import QuantizationConfig
 from engine.models.layers.rotary import yarn_mscale
-from engine.models.llama import MLP, DecoderLayer
-from engine.models.moe import MoEForCausalLM
+from engine.models.llama import MLP
+from engine.models.moe import MoEDecoderLayer, MoEForCausalLM
 from kernels.attention import AttentionBackend
 
 
@@ -200,13 +200,9 @@ class DeepseekMoE(nn.Module):
         return self.tp_group.all_reduce(out)
 
 
-class DeepseekDecoderLayer(DecoderLayer):
+class DeepseekDecoderLayer(MoEDecoderLayer):
     attention_cls = MLAAttention
-
-    def make_mlp(self, cfg: ModelConfig, quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
-        layer = int(prefix.split(".")[-2])  # model.layers.{layer}.mlp
-        return DeepseekMoE(cfg, quant_config, prefix) if cfg.moe.is_moe_layer(layer) else MLP(cfg, quant_config,
-                                                                                              prefix)
+    sparse_block_cls = DeepseekMoE
 
 
 class DeepseekForCausalLM(MoEForCausalLM):

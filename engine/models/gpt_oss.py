@@ -25,8 +25,8 @@ from engine.models.layers import ReplicatedLinear, RotaryEmbedding
 from engine.models.layers.linear import copy_checked, divide
 from engine.models.layers.quantization import QuantizationConfig
 from engine.models.layers.quantization.mxfp4 import BLOCK, dequantize_mxfp4
-from engine.models.llama import Attention, DecoderLayer
-from engine.models.moe import MoEForCausalLM
+from engine.models.llama import Attention
+from engine.models.moe import MoEDecoderLayer, MoEForCausalLM
 
 
 class GptOssAttention(Attention):
@@ -122,11 +122,9 @@ class GptOssMoE(nn.Module):
         return self.tp_group.all_reduce(self.experts(x, weights, ids))
 
 
-class GptOssDecoderLayer(DecoderLayer):
+class GptOssDecoderLayer(MoEDecoderLayer):  # every layer is sparse
     attention_cls = GptOssAttention
-
-    def make_mlp(self, cfg: ModelConfig, quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
-        return GptOssMoE(cfg, quant_config, prefix)
+    sparse_block_cls = GptOssMoE
 
 
 class GptOssForCausalLM(MoEForCausalLM):

@@ -57,10 +57,13 @@ class SparseMoeBlock(nn.Module):
 
 
 class MoEDecoderLayer(DecoderLayer):
+    # The sparse feed-forward block of the family (DeepSeek's and gpt-oss's differ); dense layers keep an MLP.
+    sparse_block_cls: type[nn.Module] = SparseMoeBlock
+
     def make_mlp(self, cfg: ModelConfig, quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
         layer = int(prefix.split(".")[-2])  # model.layers.{layer}.mlp
         if cfg.moe.is_moe_layer(layer):
-            return SparseMoeBlock(cfg, quant_config, prefix)
+            return self.sparse_block_cls(cfg, quant_config, prefix)
         return MLP(cfg, quant_config, prefix)
 
 

@@ -71,6 +71,7 @@ class TorchAttentionBackend(AttentionBackend):
                 self._cpu_kernels = load_cpu_kernels()
         self._num_decodes = 0
         self._decode_lens = torch.empty(0, dtype=torch.int32, device=self.device)
+        self._no_sinks = torch.empty(0, dtype=torch.float32, device=self.device)  # the CPU kernel's "no sinks"
         self._decode_masks: dict[int | None, torch.Tensor] = {}  # the gather path's, per window
         self._decode_num_blocks = 0
         self._prefills: list[_PrefillPlan] = []
@@ -133,10 +134,9 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         nd = self._num_decodes
         if nd and self._cpu_kernels is not None:
-            no_sinks = self._decode_lens.new_empty(0, dtype=torch.float32)
             self._cpu_kernels.paged_decode_attention(out[:nd], q[:nd].contiguous(), kv_cache, tables.decode_tables,
                                                      self._decode_lens, self.scale, sliding_window or 0,
-                                                     no_sinks if sinks is None else sinks.float().contiguous())
+                                                     self._no_sinks if sinks is None else sinks.float().contiguous())
         elif nd:
             keys, values = self._gather(kv_cache, tables.decode_block_ids)
             shape = (nd, self._decode_num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
