@@ -75,11 +75,14 @@ def _remember_class(record: Path, name: str) -> None:
     try:  # atomically, as replicas start together; a read-only cache only costs the next load its seconds
         record.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=record.parent, prefix=".")
+    except OSError:
+        return
+    try:
         with os.fdopen(fd, "w") as f:
             f.write(name)
         os.replace(tmp, record)
     except OSError:
-        pass
+        Path(tmp).unlink(missing_ok=True)  # a half-written record never stays behind
 
 
 def tokenizer_for(config: EngineConfig, model_path: str | Path) -> PreTrainedTokenizerBase:
