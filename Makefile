@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
-	$(BIN)/python -m kernels.cpu
+	$(BIN)/python -m ops.cpu
 	touch $(STAMP)
 
 install: $(STAMP)

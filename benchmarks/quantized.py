@@ -114,8 +114,8 @@ def bench_llamacpp(model: str, args) -> dict:
 def compute_rates(threads: int, n: int = 2048, k: int = 1536, group: int = 128) -> dict[tuple[str, int], float]:
     """GMAC/s of one n x k linear layer per weight format and rows of x (weights cache-resident: arithmetic,
     not memory, is what this measures)."""
-    from kernels.cpu.linear import pack_weight, packed_linear
-    from kernels.cpu.quant_linear import int4_linear, int8_linear, pack_int4, pack_int4_params, pack_int8
+    from ops.cpu.linear import pack_weight, packed_linear
+    from ops.cpu.quant_linear import int4_linear, int8_linear, pack_int4, pack_int4_params, pack_int8
 
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from engine.kv_transfer.base import KVConnectorMetadata
-from kernels.attention import AttentionMetadata
+from ops.attention import AttentionMetadata
 
 
 @dataclass

@@ -27,7 +27,7 @@ from engine.lora.layers import LoRASlots
 from engine.lora.peft import LoRAAdapter
 from engine.model_spec import ModelSpec
 from engine.models.loader import build_model, weight_bytes
-from kernels.attention import get_attention_backend
+from ops.attention import get_attention_backend
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class Worker:
 
     def _kv_block_shape(self, attn) -> tuple[int, ...]:
         """One block of a layer's KV cache: K and V (the factor 2) of block_size tokens, num_kv_heads x head_dim
-        each (the backends' NHD layout, kernels/attention/backend.py); for latent attention (DeepSeek's MLA),
+        each (the backends' NHD layout, ops/attention/backend.py); for latent attention (DeepSeek's MLA),
         block_size latents of latent_dim values: no K and V, no factor 2."""
         if getattr(attn, "latent_dim", None):
             return (self.config.block_size, attn.latent_dim)

@@ -24,7 +24,7 @@ from engine.core.request import Request, RequestStatus
 from engine.kv_transfer.base import KVConnector, KVConnectorMetadata, KVLayout, KVLoad, KVSave
 from engine.kv_transfer.config import KVTransferConfig
 from engine.shm_files import check_writable_dir, owner, staged_path, sweep
-from kernels.attention.backend import kv_rows
+from ops.attention.backend import kv_rows
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from engine.models.layers.quantization import QuantizationConfig
 from engine.models.layers.rotary import yarn_mscale
 from engine.models.llama import MLP
 from engine.models.moe import MoEDecoderLayer, MoEForCausalLM
-from kernels.attention import AttentionBackend
+from ops.attention import AttentionBackend
 
 
 class MLAAttention(nn.Module):

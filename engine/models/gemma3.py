@@ -13,7 +13,7 @@ from engine.models.config import ModelConfig
 from engine.models.layers import RotaryEmbedding
 from engine.models.layers.quantization import QuantizationConfig
 from engine.models.llama import Attention, DecoderLayer, LlamaForCausalLM, LlamaModel, checkpoint_shapes
-from kernels.attention import AttentionBackend
+from ops.attention import AttentionBackend
 
 # Where the multimodal checkpoints keep the language model: transformers 5 saves `model.language_model.*`,
 # the released files `language_model.model.*` (and `language_model.lm_head.*`).

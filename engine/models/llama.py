@@ -29,7 +29,7 @@ from engine.models.layers import (
 )
 from engine.models.layers.linear import copy_checked
 from engine.models.layers.quantization import QuantizationConfig
-from kernels.attention import AttentionBackend
+from ops.attention import AttentionBackend
 
 # What a pipeline stage hands the next one: (hidden states, residual).
 IntermediateTensors = tuple[torch.Tensor, torch.Tensor]

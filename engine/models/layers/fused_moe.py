@@ -11,7 +11,7 @@ choice applied to a batch of tokens at once.
   leaves zeros for the rest; the caller's all-reduce sums them. This is the simple all-gather/all-reduce
   dispatch: hidden states are already on every rank after attention's all-reduce, so no all-to-all is
   needed, at the price of one all-reduce of [tokens, H] per layer (the same as EP off).
-- Compute on CPU in float32: kernels/cpu/fused_moe.cpp takes the router's choice and returns the layer's
+- Compute on CPU in float32: ops/cpu/fused_moe.cpp takes the router's choice and returns the layer's
   output in one call (weights packed into its panel layout at load).
 - Compute elsewhere: the (token, expert) pairs are sorted by expert, so each expert's rows are contiguous; one
   grouped matrix multiply per projection (torch.nn.functional.grouped_mm where it runs, a per-expert loop
@@ -35,7 +35,7 @@ from engine.distributed import get_tp_group
 from engine.models.checkpoint import CheckpointTensor
 from engine.models.layers.linear import copy_checked, divide
 from engine.models.layers.quantization.base import QuantizationConfig, set_weight_attrs
-from kernels.cpu import load_moe_kernels
+from ops.cpu import load_moe_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def grouped_mm_available(dtype: torch.dtype, device_type: str) -> bool:
 
 
 class DenseFusedMoEMethod(FusedMoEMethod):
-    """Unquantized experts: on CPU in float32 through kernels/cpu/fused_moe.cpp (weights repacked into its
+    """Unquantized experts: on CPU in float32 through ops/cpu/fused_moe.cpp (weights repacked into its
     panels), elsewhere through torch's grouped matmul where it runs, else a loop of per-expert F.linear.
 
     Measured on pagedserve-56m-moe's expert shape (8 experts, H 512, I 704, top-2; float32, 2 threads, quiet

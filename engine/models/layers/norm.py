@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.cpu import elementwise
+from ops.cpu import elementwise
 
 
 class RMSNorm(nn.Module):
@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """The torch path (and the reference for kernels/cpu/elementwise.cpp)."""
+    """The torch path (and the reference for ops/cpu/elementwise.cpp)."""
     if residual is not None:
         x = x + residual
         residual = x

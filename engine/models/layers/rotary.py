@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from kernels.cpu import elementwise
+from ops.cpu import elementwise
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -101,7 +101,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The torch path (and the reference for kernels/cpu/elementwise.cpp)."""
+    """The torch path (and the reference for ops/cpu/elementwise.cpp)."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 

@@ -1,6 +1,6 @@
 """gpt-oss (engine/models/gpt_oss.py): what it does not support yet is refused by name at load. Parity with
 Hugging Face in every scheduling mode is in tests/engine/models/test_moe.py, TP=2 in test_parallel.py, its
-attention sinks against a reference in tests/kernels/test_torch_attention.py."""
+attention sinks against a reference in tests/ops/test_torch_attention.py."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from engine import LLM, EngineConfig, SamplingParams, StructuredOutputsParams
 from engine.model_spec import check_expert_layout
 from engine.models.config import ModelConfig
 from engine.models.layers.fused_moe import FusedMoE, grouped_mm_available, route
-from kernels.cpu import missing_toolchain
+from ops.cpu import missing_toolchain
 from tests.conftest import MOE_ARCHS, engines_by_arch
 from tests.engine.executor.test_parallel import POOL as PARALLEL_POOL
 from tests.engine.executor.test_parallel import _use_variant

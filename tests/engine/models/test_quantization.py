@@ -18,7 +18,7 @@ from engine.models.layers.quantization import resolve_quant_config
 from engine.models.layers.quantization.awq import unpack_awq
 from engine.models.layers.quantization.online import int4_group_size, quantize_int8
 from engine.models.layers.quantization.weight_only import unpack_int32
-from kernels.cpu.quant_linear import dequantize_int4, dequantize_int8, unpack_int4_params
+from ops.cpu.quant_linear import dequantize_int4, dequantize_int8, unpack_int4_params
 from tests.engine.models.quantized_checkpoints import (
     awq_pack,
     gptq_pack_qweight,

@@ -1,4 +1,4 @@
-"""The dense (unquantized) linear method. On CPU its weights are prepacked once after loading (kernels/cpu/
+"""The dense (unquantized) linear method. On CPU its weights are prepacked once after loading (ops/cpu/
 linear.py: float32 into panels for our kernel, bfloat16 for oneDNN; each beat plain sgemm at decode batch
 sizes); elsewhere, F.linear."""
 
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.layers.quantization.base import QuantMethod, set_weight_attrs
-from kernels.cpu.linear import pack_weight, packed_linear, packing_available
+from ops.cpu.linear import pack_weight, packed_linear, packing_available
 
 
 class DenseLinearMethod(QuantMethod):

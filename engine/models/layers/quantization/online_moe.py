@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from engine.models.layers.fused_moe import DenseFusedMoEMethod, FusedMoE, FusedMoEMethod
 from engine.models.layers.quantization.online import int4_group_size, quantize_int4, quantize_int8
 from engine.models.layers.quantization.weight_only import QuantizedWeight, kernel_form, select_compute
-from kernels.cpu.quant_linear import int4_linear, int8_linear
+from ops.cpu.quant_linear import int4_linear, int8_linear
 
 # Each fused projection, and whether tensor parallelism splits its rows' inputs (down: row-parallel).
 _PROJECTIONS = (("w13", False), ("w2", True))

@@ -2,7 +2,7 @@
 `QuantizedWeight` (integers, and per group the scale and zero point that map them back to real numbers),
 and this module turns that form into compute, once, after loading:
 
-- int8, one group per row, zero point 128 (symmetric): the int8 kernel (kernels/cpu/quant_linear.py);
+- int8, one group per row, zero point 128 (symmetric): the int8 kernel (ops/cpu/quant_linear.py);
 - 4-bit, groups of equal, even length (after sorting act-order columns by group): the int4 kernel, with the
   integer zero point folded into a float one;
 - anything else (grouped 8-bit, uneven act-order groups, a device without a kernel, a CPU without a
@@ -21,8 +21,8 @@ from torch import nn
 
 from engine.models.layers.quantization.base import QuantMethod, set_weight_attrs
 from engine.models.layers.quantization.dense import DenseLinearMethod
-from kernels.cpu import linear_kernels_available
-from kernels.cpu.quant_linear import int4_linear, int8_linear, pack_int4, pack_int4_params, pack_int8
+from ops.cpu import linear_kernels_available
+from ops.cpu.quant_linear import int4_linear, int8_linear, pack_int4, pack_int4_params, pack_int8
 
 logger = logging.getLogger(__name__)
 _DENSE = DenseLinearMethod()  # what a dequantized layer computes with

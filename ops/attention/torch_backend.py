@@ -3,7 +3,7 @@
 KV layout per layer: [num_blocks, 2, block_size, num_kv_heads, head_dim] (FlashInfer's NHD paged
 layout): a block's K and V for every head form one contiguous run of memory. Prefill chunks run one SDPA
 call each, causal with their cached context in front. Decodes run, on CPU, through a compiled kernel
-that reads the blocks in place (kernels/cpu); elsewhere, or without a compiler, as one batched SDPA call
+that reads the blocks in place (ops/cpu); elsewhere, or without a compiler, as one batched SDPA call
 over gathered, padded K/V in which the g query heads sharing a KV head act as g query positions.
 A sliding-window layer's prefill gathers only the blocks its window reaches, under a banded mask; its
 decodes read only the window's blocks. Attention sinks (gpt-oss's learned per-head logit in the softmax's
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.backend import AttentionBackend, AttentionMetadata, kv_rows, store_kv
-from kernels.cpu import load_cpu_kernels
+from ops.attention.backend import AttentionBackend, AttentionMetadata, kv_rows, store_kv
+from ops.cpu import load_cpu_kernels
 
 
 def _keep_freed_memory_in_heap() -> None:

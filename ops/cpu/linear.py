@@ -14,7 +14,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import KernelBuildError, linear_kernels_available, load_linear_kernels
+from ops.cpu import KernelBuildError, linear_kernels_available, load_linear_kernels
 
 logger = logging.getLogger(__name__)
 

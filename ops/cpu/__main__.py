@@ -1,4 +1,4 @@
-"""`python -m kernels.cpu`: compile every CPU kernel now, side by side, instead of one by one at first use
+"""`python -m ops.cpu`: compile every CPU kernel now, side by side, instead of one by one at first use
 (`make install` runs it, so that neither the first `make run` nor the test suite waits for a compiler).
 
 Exits non-zero, naming each kernel that failed and the compiler's error, when a toolchain is present and a
@@ -10,7 +10,7 @@ import logging
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-from kernels.cpu import (
+from ops.cpu import (
     KernelBuildError,
     load_cpu_kernels,
     load_elementwise_kernels,

@@ -1,5 +1,5 @@
 """CPU kernels compiled on first use (torch.utils.cpp_extension, into torch's extension cache), one
-build per CPU type; `make install` compiles them all ahead, side by side (`python -m kernels.cpu`).
+build per CPU type; `make install` compiles them all ahead, side by side (`python -m ops.cpu`).
 
 `load_cpu_kernels()` (paged attention), `load_linear_kernels()` (linear layers over float32, int8 and int4
 weight panels), `load_moe_kernels()` (mixture-of-experts layers) and `load_elementwise_kernels()` (RMSNorm,
@@ -52,7 +52,7 @@ def missing_toolchain() -> str | None:
 
 def _put_pip_ninja_on_path() -> bool:
     # torch runs `ninja` from PATH, where a venv's own (the pip package we depend on) is only once activated:
-    # `.venv/bin/python -m kernels.cpu`, as `make install` runs it, would otherwise build nothing.
+    # `.venv/bin/python -m ops.cpu`, as `make install` runs it, would otherwise build nothing.
     try:
         import ninja
     except ImportError:
@@ -132,5 +132,5 @@ def _load(kernel: str):
         flags = f" and PAGEDSERVE_CPU_CFLAGS={' '.join(_EXTRA_CFLAGS)!r}" if _EXTRA_CFLAGS else ""
         _build_errors[kernel] = KernelBuildError(
             f"the {kernel} CPU kernel ({source}) failed to build with {cxx}{flags}; fix what the compiler "
-            f"reports, then rebuild with `python -m kernels.cpu`. {e}")
+            f"reports, then rebuild with `python -m ops.cpu`. {e}")
         raise _build_errors[kernel] from e

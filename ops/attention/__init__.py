@@ -1,6 +1,6 @@
 """Paged attention backends behind one interface; `get_attention_backend` picks one by name."""
 
-from kernels.attention.backend import AttentionBackend, AttentionMetadata
+from ops.attention.backend import AttentionBackend, AttentionMetadata
 
 
 def get_attention_backend(name: str, device: str) -> type[AttentionBackend]:
@@ -8,7 +8,7 @@ def get_attention_backend(name: str, device: str) -> type[AttentionBackend]:
     if name == "auto":
         name = "flashinfer" if device == "cuda" and _flashinfer_available() else "torch"
     if name == "torch":
-        from kernels.attention.torch_backend import TorchAttentionBackend
+        from ops.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend
     if name == "flashinfer":
@@ -16,7 +16,7 @@ def get_attention_backend(name: str, device: str) -> type[AttentionBackend]:
             raise ValueError("attention_backend: flashinfer needs device=cuda; use torch on CPU")
         if not _flashinfer_available():
             raise ValueError("attention_backend: flashinfer is not installed; pip install 'pagedserve[gpu]'")
-        from kernels.attention.flashinfer_backend import FlashInferAttentionBackend
+        from ops.attention.flashinfer_backend import FlashInferAttentionBackend
 
         return FlashInferAttentionBackend
     raise ValueError(f"attention_backend: unknown backend {name!r} (auto, torch, flashinfer)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention.flashinfer_backend import paged_kv_csr
+from ops.attention.flashinfer_backend import paged_kv_csr
 
 
 def test_csr_page_tables():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu.linear import PANEL, from_panels, panel_matmul, to_panels
+from ops.cpu.linear import PANEL, from_panels, panel_matmul, to_panels
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:

@@ -9,13 +9,13 @@ position plus that many before it).
 Unverified here: our CPU-only machines cannot run FlashInfer's kernels. benchmarks/gpu_check.sh compares
 them with the torch backend on a GPU where flashinfer can be installed (its wheel is larger than what a run
 on our lent GPUs may carry, so there it has not run either). The CSR construction is tested on CPU
-(tests/kernels/test_flashinfer_plan.py)."""
+(tests/ops/test_flashinfer_plan.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.attention.backend import AttentionBackend, AttentionMetadata, kv_rows, store_kv
+from ops.attention.backend import AttentionBackend, AttentionMetadata, kv_rows, store_kv
 
 _WORKSPACE_BYTES = 256 * 2**20
 

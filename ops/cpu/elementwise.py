@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu import load_elementwise_kernels
+from ops.cpu import load_elementwise_kernels
 
 _DTYPES = (torch.float32, torch.bfloat16)
 

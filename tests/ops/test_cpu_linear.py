@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import missing_toolchain
-from kernels.cpu.linear import EXACT_ROWS, bucket_rows, pack_weight, packed_linear, packing_available
+from ops.cpu import missing_toolchain
+from ops.cpu.linear import EXACT_ROWS, bucket_rows, pack_weight, packed_linear, packing_available
 
 
 def test_buckets_bound_the_shapes_and_the_padding():

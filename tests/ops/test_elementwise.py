@@ -1,11 +1,11 @@
-"""kernels/cpu/elementwise.cpp against the layers' torch code it replaces on CPU (engine/models/layers)."""
+"""ops/cpu/elementwise.cpp against the layers' torch code it replaces on CPU (engine/models/layers)."""
 
 import pytest
 import torch
 
 from engine.models.layers.norm import rms_norm as torch_rms_norm
 from engine.models.layers.rotary import RotaryEmbedding, _rotate
-from kernels.cpu import elementwise, missing_toolchain
+from ops.cpu import elementwise, missing_toolchain
 
 # Only where nothing can compile: with a toolchain, a kernel that fails to build fails these tests.
 pytestmark = pytest.mark.skipif(bool(missing_toolchain()), reason=f"CPU kernels not compiled: {missing_toolchain()}")

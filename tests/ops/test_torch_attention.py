@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.attention.backend import AttentionMetadata
-from kernels.attention.torch_backend import TorchAttentionBackend
-from kernels.cpu import missing_toolchain
+from ops.attention.backend import AttentionMetadata
+from ops.attention.torch_backend import TorchAttentionBackend
+from ops.cpu import missing_toolchain
 
 HEAD_DIM = 16
 HEAD_PAIRS = [(4, 4), (8, 2), (6, 1), (4, 2)]  # (num_heads, num_kv_heads): MHA, GQA, MQA

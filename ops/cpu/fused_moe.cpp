@@ -35,7 +35,7 @@ constexpr int64_t kMaxRows = pagedserve::kVec16TileRows;  // rows of x one micro
 constexpr int64_t kMaxRows = 6;
 #endif
 // How far ahead of its loads a panel is prefetched (the hardware prefetcher alone leaves DRAM streams of
-// compute-heavy loops well under the bandwidth; kernels/cpu/panel_linear.cpp measured it).
+// compute-heavy loops well under the bandwidth; ops/cpu/panel_linear.cpp measured it).
 constexpr int64_t kPrefetchFloats = 1024;
 
 // out[m][0..16) = sum_k rows[m][k] * panel[k][0..16), for m < mb (mb <= kMaxRows). PF: prefetch ahead, for

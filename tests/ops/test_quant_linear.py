@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import missing_toolchain
-from kernels.cpu.quant_linear import (
+from ops.cpu import missing_toolchain
+from ops.cpu.quant_linear import (
     dequantize_int4,
     dequantize_int8,
     int4_linear,

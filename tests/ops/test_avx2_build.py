@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from kernels.cpu import missing_toolchain
+from ops.cpu import missing_toolchain
 
 ROOT = Path(__file__).parents[2]
-KERNEL_TESTS = ["tests/kernels/test_quant_linear.py", "tests/kernels/test_cpu_linear.py",
-                "tests/kernels/test_elementwise.py", "tests/kernels/test_torch_attention.py",
+KERNEL_TESTS = ["tests/ops/test_quant_linear.py", "tests/ops/test_cpu_linear.py",
+                "tests/ops/test_elementwise.py", "tests/ops/test_torch_attention.py",
                 "tests/engine/models/test_moe.py::test_fused_moe_matches_a_per_token_reference"]
 
 
@@ -28,7 +28,7 @@ def _has_avx512() -> bool:
 @pytest.mark.skipif(bool(missing_toolchain()) or not _has_avx512(), reason="no AVX-512 build to test beside")
 def test_the_avx2_build_passes_every_kernels_tests():
     env = {**os.environ, "PAGEDSERVE_CPU_CFLAGS": "-mno-avx512f"}
-    build = subprocess.run([sys.executable, "-m", "kernels.cpu"], env=env, cwd=ROOT, capture_output=True, text=True,
+    build = subprocess.run([sys.executable, "-m", "ops.cpu"], env=env, cwd=ROOT, capture_output=True, text=True,
                            timeout=900)
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-4000:]
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *KERNEL_TESTS],

@@ -1,5 +1,5 @@
 """A broken kernel is seen: with a toolchain present, a kernel that does not compile fails the build step
-(`python -m kernels.cpu`, naming the kernel and quoting the compiler) and fails its tests instead of skipping
+(`python -m ops.cpu`, naming the kernel and quoting the compiler) and fails its tests instead of skipping
 them. Without a toolchain the engine runs its pure-torch paths after one warning naming every kernel lost.
 
 Each case runs in a child process with a build folder of its own (TORCH_EXTENSIONS_DIR): the failed builds never
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.cpu import missing_toolchain
+from ops.cpu import missing_toolchain
 
 ROOT = Path(__file__).parents[2]
 BAD_FLAG = "-fno-such-flag-pagedserve"  # torch passes it on; no compiler accepts it
@@ -21,9 +21,9 @@ KERNELS = {"paged attention": "paged_attention.cpp", "linear": "panel_linear.cpp
            "mixture-of-experts": "fused_moe.cpp", "elementwise (RMSNorm, rotary)": "elementwise.cpp"}
 # The tests of three kernels, less their pure-torch cases (the MoE kernel's test needs the engine's machinery;
 # the build step covers that kernel).
-KERNEL_TESTS = ["tests/kernels/test_quant_linear.py", "tests/kernels/test_elementwise.py",
-                "tests/kernels/test_cpu_linear.py::test_packed_rows_compute_what_the_plain_linear_does",
-                "tests/kernels/test_torch_attention.py::test_cpu_kernel_head_dims_and_dtypes_match_the_torch_path"]
+KERNEL_TESTS = ["tests/ops/test_quant_linear.py", "tests/ops/test_elementwise.py",
+                "tests/ops/test_cpu_linear.py::test_packed_rows_compute_what_the_plain_linear_does",
+                "tests/ops/test_torch_attention.py::test_cpu_kernel_head_dims_and_dtypes_match_the_torch_path"]
 needs_toolchain = pytest.mark.skipif(bool(missing_toolchain()),
                                      reason=f"CPU kernels not compiled: {missing_toolchain()}")
 
@@ -35,7 +35,7 @@ def _run(args: list[str], build_dir: Path, **env: str) -> subprocess.CompletedPr
 
 @needs_toolchain
 def test_a_kernel_that_fails_to_compile_fails_the_build_step_and_its_tests(tmp_path):
-    build = _run(["-m", "kernels.cpu"], tmp_path, PAGEDSERVE_CPU_CFLAGS=BAD_FLAG)
+    build = _run(["-m", "ops.cpu"], tmp_path, PAGEDSERVE_CPU_CFLAGS=BAD_FLAG)
     assert build.returncode == 1, build.stdout + build.stderr[-3000:]
     for kernel, source in KERNELS.items():
         assert f"error: the {kernel} CPU kernel ({source}) failed to build with" in build.stderr
@@ -67,13 +67,13 @@ def test_without_a_compiler_the_engine_runs_on_torch_after_one_warning(tmp_path)
 
 
 def test_the_venvs_own_ninja_is_found_where_path_has_none(tmp_path):
-    """`.venv/bin/python -m kernels.cpu` (as `make install` runs it) has no venv on PATH: the ninja we depend on
+    """`.venv/bin/python -m ops.cpu` (as `make install` runs it) has no venv on PATH: the ninja we depend on
     is found all the same, rather than the kernels falling back for want of it."""
     pytest.importorskip("ninja")
     compiler = shutil.which(os.environ.get("CXX", "c++"))
     if compiler is None:
         pytest.skip("no C++ compiler")
-    script = ("import shutil; from kernels.cpu import missing_toolchain; "
+    script = ("import shutil; from ops.cpu import missing_toolchain; "
               "print(missing_toolchain(), shutil.which('ninja'))")
     run = _run(["-c", script], tmp_path, PATH=str(tmp_path), CXX=compiler)
     assert run.returncode == 0 and run.stdout.startswith("None ") and run.stdout.strip().endswith("ninja"), run
