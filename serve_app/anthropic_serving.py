@@ -216,7 +216,8 @@ class AnthropicServing:
         engine)."""
         self.openai.check_model(req.model)
         chat = self.chat_request(req)
-        plan_tools(chat, self.openai.tool_parser)  # the same checks as a message: a bad tool_choice is a 400
+        # The same checks as a message: a bad tool_choice is a 400.
+        plan_tools(chat, self.openai.tool_parser, self.openai.harmony)
         return MessageTokensCount(input_tokens=len((await self.openai.chat_prompt(chat)).token_ids))
 
     async def messages(self, req: MessagesRequest) -> MessagesResponse | AsyncIterator[Event]:
@@ -225,7 +226,7 @@ class AnthropicServing:
         openai = self.openai
         openai.check_model(req.model)
         chat = self.chat_request(req)
-        plan = plan_tools(chat, openai.tool_parser)
+        plan = plan_tools(chat, openai.tool_parser, openai.harmony)
         prompt = await openai.chat_prompt(chat)
         so = await openai.structured_outputs(chat, plan)  # a forced tool: its input schema constrains the output
         message_id = new_message_id()
@@ -255,7 +256,7 @@ class AnthropicServing:
         except Exception as e:
             raise from_exception(e) from e
         c = final.outputs[0]
-        content, calls, finish_reason = tools.final(c.text, c.finish_reason)
+        content, calls, finish_reason, _ = tools.final(c.text, c.finish_reason)  # thinking blocks: issue 38
         reason, sequence = stop_reason(c, finish_reason)
         return MessagesResponse(id=message_id, content=blocks.whole(content, calls), model=self.model_name,
                                 stop_reason=reason, stop_sequence=sequence, usage=_usage(tally))
@@ -280,7 +281,7 @@ class AnthropicServing:
             output = first
             while True:
                 c = output.outputs[0]
-                content, deltas, finish_reason = tools.delta(c.text, c.finish_reason)
+                content, deltas, finish_reason, _ = tools.delta(c.text, c.finish_reason)
                 for event in blocks.events(content, deltas):
                     yield event
                 item = await anext(rest, None)

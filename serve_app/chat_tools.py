@@ -11,17 +11,23 @@ text becomes content and `tool_calls`, whole or as stream deltas.
 - {"type": "function", "function": {"name": ...}}: generation is constrained to that tool's parameters
   schema; the output is the call's arguments, streamed as argument deltas.
 
-Calls found make finish_reason "tool_calls" (when the output ended on its own, not at max_tokens)."""
+Calls found make finish_reason "tool_calls" (when the output ended on its own, not at max_tokens).
+
+A Harmony model (gpt-oss; serve_app/harmony.py) writes channels instead: with "none" and "auto" its
+analysis channel becomes `reasoning`, never content, and "auto" takes its calls from the messages it
+addresses to functions. "required" and named choices constrain the whole output to JSON, headers included,
+so they read it as any model's."""
 
 from __future__ import annotations
 
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from engine.sampling_params import StructuredOutputsParams
 from serve_app.errors import APIError
+from serve_app.harmony import HarmonyStream, split_output
 from serve_app.protocol.openai import (
     ChatCompletionRequest,
     DeltaFunctionCall,
@@ -40,10 +46,16 @@ class ToolPlan:
     parser: ToolParser | None = None  # auto
     function: str | None = None  # named
     structured_outputs: StructuredOutputsParams | None = None  # required, named
+    harmony: bool = False  # none, auto: the output is in Harmony's channels
+
+    @property
+    def reads_harmony(self) -> bool:
+        return self.harmony and self.mode in ("none", "auto")
 
 
-def plan_tools(req: ChatCompletionRequest, parser: ToolParser) -> ToolPlan:
-    """The plan for `req`'s tools; raises a 400 naming tools or tool_choice when they do not fit."""
+def plan_tools(req: ChatCompletionRequest, parser: ToolParser, harmony: bool = False) -> ToolPlan:
+    """The plan for `req`'s tools; raises a 400 naming tools or tool_choice when they do not fit. `harmony`:
+    the model writes Harmony's format (serve_app/harmony.py)."""
     tools = req.tools or []
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
@@ -52,12 +64,12 @@ def plan_tools(req: ChatCompletionRequest, parser: ToolParser) -> ToolPlan:
                        code="invalid_value")
     choice = req.tool_choice or ("auto" if tools else "none")
     if choice == "none":
-        return ToolPlan("none")
+        return ToolPlan("none", harmony=harmony)
     if not tools:
         shown = choice if isinstance(choice, str) else choice.function.name
         raise APIError(400, f"tool_choice: {shown!r} needs `tools`", param="tool_choice", code="invalid_value")
     if choice == "auto":
-        return ToolPlan("auto", parser=parser)
+        return ToolPlan("auto", parser=parser, harmony=harmony)
     has_format = (req.response_format is not None and req.response_format.type != "text") or req.structured_outputs
     if has_format:
         raise APIError(400, "tool_choice: a required or named tool call cannot be combined with response_format "
@@ -97,21 +109,36 @@ def _call_deltas(calls: list[ToolCall], first_index: int = 0) -> list[DeltaToolC
             for i, c in enumerate(calls)]
 
 
+class ChoiceText(NamedTuple):
+    """A choice's output (whole) or a stream chunk's part of it (deltas)."""
+
+    content: str | None
+    tool_calls: list[ToolCall] | list[DeltaToolCall] | None
+    finish_reason: str | None
+    reasoning: str | None = None
+
+
 @dataclass
 class ChoiceTools:
-    """One choice's output as content and tool calls."""
+    """One choice's output as content, tool calls and (Harmony) reasoning."""
 
     plan: ToolPlan
     text: str = ""
     sent: int = 0  # characters of `text` already streamed as content (auto)
     in_calls: bool = False  # auto: a tool-call marker has appeared
     call_id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")  # named
+    harmony: HarmonyStream = field(default_factory=HarmonyStream)
 
-    def final(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall] | None, str | None]:
-        """(content, tool calls, finish_reason) of a whole output."""
+    def final(self, text: str, finish_reason: str | None) -> ChoiceText:
+        """The content, tool calls and finish_reason of a whole output."""
         mode = self.plan.mode
         calls: list[ParsedToolCall] = []
         content: str | None = text
+        if self.plan.reads_harmony:
+            out = split_output(text)
+            calls = [ParsedToolCall(*c) for c in out.calls] if mode == "auto" else []
+            return ChoiceText(out.content, [_tool_call(c) for c in calls] or None, _finish(finish_reason, calls),
+                              out.reasoning)
         if mode == "auto":
             content, calls = self.plan.parser.extract(text)
         elif mode == "required" and finish_reason == "stop":
@@ -120,17 +147,18 @@ class ChoiceTools:
         elif mode == "named":  # the arguments, complete or (at max_tokens) not, as vLLM does
             content = None
             tool_calls = [ToolCall(id=self.call_id, function=FunctionCall(name=self.plan.function, arguments=text))]
-            return content, tool_calls, "tool_calls" if finish_reason == "stop" else finish_reason
-        if not calls:
-            return content, None, finish_reason
-        return content, [_tool_call(c) for c in calls], "tool_calls" if finish_reason == "stop" else finish_reason
+            return ChoiceText(content, tool_calls, _finish(finish_reason, tool_calls))
+        return ChoiceText(content, [_tool_call(c) for c in calls] or None, _finish(finish_reason, calls))
 
-    def delta(self, new_text: str,
-              finish_reason: str | None) -> tuple[str | None, list[DeltaToolCall] | None, str | None]:
-        """(content delta, tool-call deltas, finish_reason) for the text a stream chunk adds."""
+    def delta(self, new_text: str, finish_reason: str | None) -> ChoiceText:
+        """The content delta, tool-call deltas and finish_reason for the text a stream chunk adds."""
         mode = self.plan.mode
+        if self.plan.reads_harmony:
+            reasoning, content, found = self.harmony.delta(new_text, finish_reason is not None)
+            calls = [_tool_call(ParsedToolCall(*c)) for c in found] if mode == "auto" else []
+            return ChoiceText(content, _call_deltas(calls) or None, _finish(finish_reason, calls), reasoning)
         if mode == "none":
-            return new_text or None, None, finish_reason
+            return ChoiceText(new_text or None, None, finish_reason)
         first = not self.text
         self.text += new_text
         done = finish_reason is not None
@@ -139,12 +167,12 @@ class ChoiceTools:
                   else DeltaFunctionCall(arguments=new_text))
             deltas = [DeltaToolCall(index=0, id=self.call_id, type="function", function=fn)] if first else (
                 [DeltaToolCall(index=0, function=fn)] if new_text else None)
-            return None, deltas, ("tool_calls" if finish_reason == "stop" else finish_reason)
+            return ChoiceText(None, deltas, _finish(finish_reason, [fn]))
         if mode == "required":
             if not done:
-                return None, None, None
-            content, calls, finish_reason = self.final(self.text, finish_reason)
-            return content, _call_deltas(calls) if calls else None, finish_reason
+                return ChoiceText(None, None, None)
+            content, calls, finish_reason, _ = self.final(self.text, finish_reason)
+            return ChoiceText(content, _call_deltas(calls) if calls else None, finish_reason)
         # auto: stream content up to a (possible) marker; the calls come with the end
         parser, content = self.plan.parser, ""
         if not self.in_calls:
@@ -156,9 +184,14 @@ class ChoiceTools:
                 end = parser.safe_prefix(self.text) if not done else len(self.text)
             content, self.sent = self.text[self.sent : end], max(self.sent, end)
         if not done or not self.in_calls:
-            return content or None, None, finish_reason
-        _, calls, finish_reason = self.final(self.text, finish_reason)
+            return ChoiceText(content or None, None, finish_reason)
+        _, calls, finish_reason, _ = self.final(self.text, finish_reason)
         if not calls:  # the marker led to nothing parseable: it was content after all
             content, self.sent = content + self.text[self.sent :], len(self.text)
-            return content or None, None, finish_reason
-        return content or None, _call_deltas(calls), finish_reason
+            return ChoiceText(content or None, None, finish_reason)
+        return ChoiceText(content or None, _call_deltas(calls), finish_reason)
+
+
+def _finish(finish_reason: str | None, calls: list) -> str | None:
+    """Calls made by an output that ended on its own end it as "tool_calls"."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason

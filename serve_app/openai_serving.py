@@ -20,6 +20,7 @@ from serve_app import tracing
 from serve_app.chat_tools import ChoiceTools, ToolPlan, plan_tools
 from serve_app.errors import APIError, from_exception
 from serve_app.formats import FormatValidator, requested_format
+from serve_app.harmony import is_harmony_template
 from serve_app.lora_registry import AdapterEntry, AdapterNotFound, LoRARegistry
 from serve_app.protocol.openai import (
     ChatChoice,
@@ -109,6 +110,7 @@ class OpenAIServing:
         self.model_name = served_model_name
         self.engine = engine  # DeploymentHandle to LLMServer, with stream=True
         self.tool_parser = get_tool_parser(tool_call_parser, self.tokenizer.chat_template)
+        self.harmony = is_harmony_template(self.tokenizer.chat_template)  # gpt-oss's channels (serve_app/harmony.py)
         self.formats = FormatValidator(processor)
 
     # --- shared -------------------------------------------------------------------------------------
@@ -164,11 +166,13 @@ class OpenAIServing:
             raise APIError(400, f"max_tokens: this model's maximum context length is {self.processor.max_model_len} "
                            f"tokens; {prompt_len} in the prompt leave room for {room}, {max_tokens} were requested",
                            param="max_tokens", code="context_length_exceeded")
+        # Harmony's headers are special tokens: the chat routes read the channels from them.
+        keep_special = self.harmony and isinstance(req, ChatCompletionRequest)
         fields = {
             "n": req.n, "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
             "seed": req.seed, "stop": req.stop or [], "min_tokens": req.min_tokens, "ignore_eos": req.ignore_eos,
             "stop_token_ids": req.stop_token_ids or [], "include_stop_str_in_output": req.include_stop_str_in_output,
-            "skip_special_tokens": req.skip_special_tokens, "logprobs": logprobs,
+            "skip_special_tokens": req.skip_special_tokens and not keep_special, "logprobs": logprobs,
             "prompt_logprobs": req.prompt_logprobs, "max_tokens": max_tokens or room, "output_kind": kind,
             "logit_bias": {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
             "structured_outputs": structured_outputs,
@@ -387,7 +391,7 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[ChatCompletionChunk]:
         self.check_model(req.model)
-        plan = plan_tools(req, self.tool_parser)
+        plan = plan_tools(req, self.tool_parser, self.harmony)
         prompt = await self.chat_prompt(req)
         so = await self.structured_outputs(req, plan)
         request_id = req.request_id or new_id("chatcmpl")
@@ -422,8 +426,9 @@ class OpenAIServing:
             final = output
         choices = []
         for c in final.outputs:
-            content, tool_calls, finish_reason = ChoiceTools(plan).final(c.text, c.finish_reason)
-            choices.append(ChatChoice(index=c.index, message=ResponseMessage(content=content, tool_calls=tool_calls),
+            content, tool_calls, finish_reason, reasoning = ChoiceTools(plan).final(c.text, c.finish_reason)
+            message = ResponseMessage(content=content, tool_calls=tool_calls, reasoning=reasoning)
+            choices.append(ChatChoice(index=c.index, message=message,
                                       logprobs=self._chat_logprobs(req, c), finish_reason=finish_reason,
                                       stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=request_id, model=self.response_model(req), choices=choices,
@@ -444,10 +449,10 @@ class OpenAIServing:
             tally.add(0, output)
             choices = []
             for c in output.outputs:
-                content, tool_calls, finish_reason = tools[c.index].delta(c.text, c.finish_reason)
-                if content or tool_calls or finish_reason or (req.logprobs and c.token_ids):
+                content, tool_calls, finish_reason, reasoning = tools[c.index].delta(c.text, c.finish_reason)
+                if content or tool_calls or reasoning or finish_reason or (req.logprobs and c.token_ids):
                     choices.append(ChatChunkChoice(
-                        index=c.index, delta=DeltaMessage(content=content, tool_calls=tool_calls),
+                        index=c.index, delta=DeltaMessage(content=content, tool_calls=tool_calls, reasoning=reasoning),
                         logprobs=self._chat_logprobs(req, c), finish_reason=finish_reason, stop_reason=c.stop_reason,
                     ))
             if choices:

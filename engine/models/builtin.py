@@ -88,9 +88,12 @@ BUILTIN_MODELS: dict[str, dict] = {
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
         "rope_theta": 1_000_000.0, "tie_word_embeddings": True,
     },
+    # Harmony's special tokens follow the 32k vocabulary (HARMONY_TOKENS); its turns end at <|return|> or
+    # <|call|>. The vocabulary is padded to a multiple of 16, as real checkpoints pad theirs.
     "pagedserve-tiny-gpt-oss": {
         **_COMMON, **_GPT_OSS_ARCH, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 32016,
+        "eos_token_id": [32005, 32006, 2],
     },
     "pagedserve-tiny-deepseek-v3": {
         **_COMMON, **_DEEPSEEK_V3_ARCH, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 3,
@@ -129,6 +132,47 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
     "{%- endfor %}"
 )
+# Harmony (gpt-oss's chat format, serve_app/harmony.py), written as gpt-oss's own template writes it: a
+# system message with the valid channels, the developer message (a system message's instructions and the
+# tools, declared as a TypeScript namespace), then each message with its header; an assistant's tool call is
+# a commentary message addressed to `functions.NAME`, a tool's result a message from it to the assistant.
+# `reasoning_effort` (chat_template_kwargs) goes into the system message, as the model was trained.
+HARMONY_TEMPLATE = (
+    "{%- set ns = namespace(call='') %}"
+    "{{- '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\\n' }}"
+    "{{- 'Knowledge cutoff: 2024-06\\n\\nReasoning: ' + (reasoning_effort or 'medium') + '\\n\\n' }}"
+    "{{- '# Valid channels: analysis, commentary, final. Channel must be included for every message.' }}"
+    "{%- if tools %}{{ '\\nCalls to these tools must go to the commentary channel: \\'functions\\'.' }}{%- endif %}"
+    "{{- '<|end|>' }}"
+    "{%- if messages and messages[0]['role'] in ('system', 'developer') %}"
+    "{%- set instructions = messages[0]['content'] %}{%- set loop_messages = messages[1:] %}"
+    "{%- else %}{%- set instructions = none %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- if instructions or tools %}{{ '<|start|>developer<|message|>' }}"
+    "{%- if instructions %}{{ '# Instructions\\n\\n' + instructions }}{%- endif %}"
+    "{%- if tools %}{{ ('\\n\\n' if instructions else '') + '# Tools\\n\\n## functions\\n\\n' }}"
+    "{{- 'namespace functions {\\n' }}"
+    "{%- for tool in tools %}{%- set f = tool['function'] if 'function' in tool else tool %}"
+    "{{ '\\n// ' + (f.get('description') or '') + '\\ntype ' + f['name'] + ' = (_: ' }}"
+    "{{- (f.get('parameters') or {}) | tojson }}{{ ') => any;\\n' }}"
+    "{%- endfor %}{{ '\\n} // namespace functions' }}{%- endif %}{{ '<|end|>' }}{%- endif %}"
+    "{%- for message in loop_messages %}"
+    "{%- if message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{%- for call in message['tool_calls'] %}{%- set f = call['function'] %}{%- set ns.call = f['name'] %}"
+    "{{ '<|start|>assistant to=functions.' + f['name'] + '<|channel|>commentary <|constrain|>json<|message|>' }}"
+    "{{- (f['arguments'] if f['arguments'] is string else (f['arguments'] | tojson)) + '<|call|>' }}"
+    "{%- endfor %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{ '<|start|>assistant<|channel|>final<|message|>' + (message['content'] or '') + '<|end|>' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{ '<|start|>functions.' + (message.get('name') or ns.call) + ' to=assistant<|channel|>commentary<|message|>' }}"
+    "{{- message['content'] + '<|end|>' }}"
+    "{%- else %}{{ '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|start|>assistant' }}{%- endif %}"
+)
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+_HARMONY_MODELS = {"pagedserve-tiny-gpt-oss"}
 _TOKENIZER_CONFIG = {
     "tokenizer_class": "LlamaTokenizer",
     "bos_token": "<s>",
@@ -155,7 +199,9 @@ def cache_root() -> Path:
 
 def materialize_builtin(name: str) -> Path:
     spec = BUILTIN_MODELS[name]
-    digest = hashlib.sha256(json.dumps([spec, CHAT_TEMPLATE, _FORMAT_VERSION], sort_keys=True).encode())
+    harmony = name in _HARMONY_MODELS
+    template = HARMONY_TEMPLATE if harmony else CHAT_TEMPLATE
+    digest = hashlib.sha256(json.dumps([spec, template, _FORMAT_VERSION], sort_keys=True).encode())
     path = cache_root() / "models" / f"{name}-{digest.hexdigest()[:12]}"
     if (path / "model.safetensors").is_file():
         return path
@@ -164,7 +210,7 @@ def materialize_builtin(name: str) -> Path:
     try:
         seed = _WEIGHT_SEEDS.get(name) or int(
             hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:8], 16)
-        write_checkpoint(tmp, spec, seed=seed)
+        write_checkpoint(tmp, spec, seed=seed, harmony=harmony)
         try:
             os.rename(tmp, path)  # atomic: concurrent replicas either win or find it done
         except OSError:
@@ -175,7 +221,7 @@ def materialize_builtin(name: str) -> Path:
     return path
 
 
-def write_checkpoint(path: Path, spec: dict, seed: int) -> None:
+def write_checkpoint(path: Path, spec: dict, seed: int, harmony: bool = False) -> None:
     # Here, not at the top: processes that only tokenize (the ingress) read this module without torch.
     import torch
     from safetensors.torch import save_file
@@ -195,15 +241,25 @@ def write_checkpoint(path: Path, spec: dict, seed: int) -> None:
         else:
             tensors[name] = torch.randn(shape, generator=gen) * spec["initializer_range"]
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    write_tokenizer(path)
+    write_tokenizer(path, harmony)
 
 
-def write_tokenizer(path: Path) -> None:
+def write_tokenizer(path: Path, harmony: bool = False) -> None:
+    """The 32k SentencePiece tokenizer with our [INST] template; `harmony`: with Harmony's special tokens
+    after the vocabulary (ids 32000 on, in HARMONY_TOKENS' order) and its template."""
     import mistral_common
     from transformers import AutoTokenizer
 
     sentencepiece = Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
     shutil.copyfile(sentencepiece, path / "tokenizer.model")
-    (path / "tokenizer_config.json").write_text(json.dumps(_TOKENIZER_CONFIG, indent=2))
+    config = dict(_TOKENIZER_CONFIG)
+    if harmony:
+        config["chat_template"] = HARMONY_TEMPLATE
+        config["added_tokens_decoder"] = {
+            str(32000 + i): {"content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
+                             "single_word": False}
+            for i, t in enumerate(HARMONY_TOKENS)
+        }
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     # Converting the SentencePiece model takes seconds; save the fast tokenizer.json once.
     AutoTokenizer.from_pretrained(path).save_pretrained(path)

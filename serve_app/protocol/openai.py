@@ -284,6 +284,15 @@ class ResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    # The model's reasoning, apart from content (Harmony's analysis channel); `reasoning_content` is the
+    # older name some clients read, always the same text.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _mirror_reasoning(self) -> ResponseMessage:
+        self.reasoning_content = self.reasoning
+        return self
 
 
 class ChatChoice(BaseModel):
@@ -308,6 +317,13 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _mirror_reasoning(self) -> DeltaMessage:
+        self.reasoning_content = self.reasoning
+        return self
 
 
 class ChatChunkChoice(BaseModel):

@@ -84,7 +84,7 @@ def _stream(plan: ToolPlan, pieces: list[str], finish: str = "stop"):
     state = ChoiceTools(plan)
     content, calls, reasons = "", [], []
     for i, piece in enumerate(pieces):
-        c, deltas, reason = state.delta(piece, finish if i == len(pieces) - 1 else None)
+        c, deltas, reason, _ = state.delta(piece, finish if i == len(pieces) - 1 else None)
         content += c or ""
         calls += deltas or []
         reasons.append(reason)
