@@ -186,16 +186,20 @@ class EngineConfig(BaseModel):
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     @model_validator(mode="after")
-    def _check_draft_model_with_kv_transfer(self) -> EngineConfig:
+    def _check_speculative_pairs(self) -> EngineConfig:
         # Feature pairs (README): KV loaded from a producer is the target's alone; a draft model would attend to
         # prompt KV it never wrote (greedy output stays right, its drafts are noise: acceptance is lost unseen).
         spec, transfer = self.speculative_config, self.kv_transfer_config
         consumer = transfer is not None and transfer.kv_role != "kv_producer"
-        if consumer and spec is not None and spec.method == "draft_model":
+        if consumer and spec is not None and spec.method in ("draft_model", "mtp"):
             raise ValueError(
-                f"speculative_config: method='draft_model' cannot run with kv_transfer_config.kv_role="
-                f"'{transfer.kv_role}': KV prefilled elsewhere holds no draft-model KV; use method='ngram' here"
+                f"speculative_config: method='{spec.method}' cannot run with kv_transfer_config.kv_role="
+                f"'{transfer.kv_role}': KV prefilled elsewhere holds no draft KV; use method='ngram' here"
             )
+        if spec is not None and spec.method == "mtp" and self.pipeline_parallel_size > 1:
+            # The MTP layer drafts from the last step's hidden states; pipelined steps are still in flight then.
+            raise ValueError("speculative_config: method='mtp' does not run with pipeline_parallel_size > 1 yet; "
+                             "use tensor parallelism or method='ngram'")
         return self
 
     @model_validator(mode="after")

@@ -61,6 +61,7 @@ def check_config(config: EngineConfig, model_config: ModelConfig) -> Quantizatio
     resolve_max_model_len(config, model_config)
     check_window_layers(config, model_config)
     check_latent_attention(config, model_config)
+    check_mtp(config, model_config)
     check_rank_layers(config, engine_model_config(config, model_config), quant_config)
     return quant_config
 
@@ -91,6 +92,15 @@ def check_latent_attention(config: EngineConfig, cfg: ModelConfig) -> None:
     if config.enable_lora:
         raise ValueError(f"enable_lora: LoRA adapters are not supported for {cfg.architecture}'s latent "
                          "attention yet; serve the base model or a merged checkpoint")
+
+
+def check_mtp(config: EngineConfig, cfg: ModelConfig) -> None:
+    """`speculative_config.method='mtp'` drafts with the checkpoint's own multi-token prediction layer."""
+    draft = config.speculative_config
+    if draft is not None and draft.method == "mtp" and cfg.num_mtp_layers < 1:
+        raise ValueError(f"speculative_config: method='mtp' needs a checkpoint with multi-token prediction layers "
+                         f"(DeepSeek-V3's num_nextn_predict_layers); this {cfg.architecture} checkpoint has none: use "
+                         "method='ngram' or 'draft_model'")
 
 
 def local_model_config(model: str) -> ModelConfig | None:

@@ -93,6 +93,8 @@ class BatchBuilder:
         inp = ModelInput.build(input_ids, starts, q_lens, self.block_table.table[rows, :width], self.block_size,
                                logit_rows, lora_slots,
                                [t.table[r, :width] for t, r in zip(self.window_tables, window_rows)])
+        if self.drafter is not None:
+            self.drafter.record_step([so.requests[j].request_id for j in order], starts, q_lens)
         if self.kv_connector is not None:
             meta = self.kv_connector.build_connector_meta(so.requests, so.num_scheduled_tokens,
                                                           [kv.get_block_ids(r) for r in so.requests])

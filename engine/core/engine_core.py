@@ -41,6 +41,7 @@ from engine.sample.step_sampler import LogprobEntry, StepOutput, StepSampler
 from engine.sampling_params import RequestOutputKind
 from engine.spec_decode.draft_proposer import DraftCheckpoint, DraftModelProposer
 from engine.spec_decode.drafter import Drafter
+from engine.spec_decode.mtp_proposer import MTPProposer
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.stats import EngineStats
 from engine.structured_output import StructuredOutputManager
@@ -69,8 +70,11 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         draft = config.speculative_config
         # The draft's config is checked before any worker starts; its KV shares the target's block budget.
-        draft_checkpoint = (DraftCheckpoint.resolve(draft.model, spec)
-                            if draft and draft.method == "draft_model" else None)
+        draft_checkpoint = None
+        if draft is not None and draft.method == "draft_model":
+            draft_checkpoint = DraftCheckpoint.resolve(draft.model, spec)
+        elif draft is not None and draft.method == "mtp":
+            draft_checkpoint = DraftCheckpoint.mtp(spec)
         draft_bytes = draft_checkpoint.kv_bytes_per_block(config.block_size, spec.dtype) if draft_checkpoint else 0
         self.executor = create_executor(config, spec, rendezvous, draft_bytes)
         self.kv_connector = None
@@ -84,7 +88,10 @@ class EngineCore:
             drafter = None
             if draft_checkpoint is not None:
                 worker = draft_checkpoint.build_worker(config, spec, device, self.executor.num_blocks)
-                drafter = Drafter(model=DraftModelProposer(worker, block_table, config.block_size, sampler.generator))
+                proposer = (MTPProposer(worker, block_table, config.block_size, sampler.generator,
+                                        self.executor.driver_worker) if draft.method == "mtp"
+                            else DraftModelProposer(worker, block_table, config.block_size, sampler.generator))
+                drafter = Drafter(model=proposer)
             elif draft is not None:
                 drafter = Drafter(ngram=NgramProposer(draft.prompt_lookup_min, draft.prompt_lookup_max))
             self.kv_connector = create_kv_connector(config, self.model_config, spec.dtype, "scheduler")

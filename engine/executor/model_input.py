@@ -34,6 +34,9 @@ class ModelInput:
     # slot mappings, in group order; the fields above are the primary group's.
     window_block_tables: list[np.ndarray] | None = None
     window_slot_mappings: list[np.ndarray] | None = None
+    # An MTP draft layer's other input: the hidden state each token's position follows from
+    # (engine/spec_decode/mtp_proposer.py). Built on the driver's device; never sent to other ranks.
+    previous_hidden: torch.Tensor | None = None
 
     @classmethod
     def build(cls, input_ids: list[int], starts: list[int], q_lens: list[int], block_tables: np.ndarray,

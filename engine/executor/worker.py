@@ -92,6 +92,11 @@ class Worker:
         self.kv_groups = KVCacheGroups.of(spec.model_config)
         self.attn_backend = None
         self._sends: list = []  # in-flight sends to the next stage, with the tensors they read
+        # With keep_hidden_states (the driver, under MTP speculation), the final hidden states of the last
+        # step, every token's: what the MTP draft layer continues from (engine/spec_decode/mtp_proposer.py
+        # takes them and clears this). Off otherwise: a long prefill's would stay held until the next step.
+        self.keep_hidden_states = False
+        self.hidden_states: torch.Tensor | None = None
 
     @property
     def weight_bytes(self) -> int:
@@ -182,7 +187,7 @@ class Worker:
             self.lora.set_step(inp.lora_slots)
         input_ids = torch.from_numpy(inp.input_ids).to(dev)
         positions = torch.from_numpy(inp.positions).to(dev)
-        intermediate = None
+        intermediate = inp.previous_hidden  # an MTP layer's (engine/models/deepseek_mtp.py)
         pp = self.pp
         if pp is not None and not pp.is_first:
             shape = (inp.num_tokens, self.spec.model_config.hidden_size)
@@ -199,6 +204,8 @@ class Worker:
                 self.groups.world.barrier()
         if not last_stage:
             return None
+        if self.keep_hidden_states:
+            self.hidden_states = out
         if not len(inp.logit_rows):
             return None
         return self.model.compute_logits(out[torch.from_numpy(inp.logit_rows).to(dev)])

@@ -47,12 +47,14 @@ _GEMMA3_ARCH = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_te
                 "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 64, "rope_local_base_freq": 10000.0,
                 "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
 # DeepSeek-V3's shape at toy size: latent attention (a 40-value latent per token and layer), a dense first
-# layer, then 8 routed experts in 2 groups (top-2, sigmoid scores with their bias) and a shared one.
+# layer, then 8 routed experts in 2 groups (top-2, sigmoid scores with their bias) and a shared one; one
+# multi-token prediction layer after them (speculative_config method "mtp").
 _DEEPSEEK_V3_ARCH = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_act": "silu",
                      "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
                      "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
                      "moe_intermediate_size": 32, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
-                     "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True}
+                     "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True,
+                     "num_nextn_predict_layers": 1}
 # gpt-oss's shape at toy size: 4 layers alternating a 128-token window and full attention, attention sinks,
 # YaRN, 8 clamped-SwiGLU experts of 32 with biases, top-2.
 _GPT_OSS_ARCH = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,

@@ -188,6 +188,8 @@ class ModelConfig:
     local_rope_scaling: dict[str, Any] | None = None
     rope_interleaved: bool = False  # rotary pairs (x0, x1), (x2, x3), ... (DeepSeek), not the two halves
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek)
+    # DeepSeek-V3's multi-token prediction layers, stored after the decoder's (engine/models/deepseek_mtp.py)
+    num_mtp_layers: int = 0
 
     def sliding_window_of(self, layer: int) -> int | None:
         """The window layer `layer` attends over (the last this-many positions, its own included), or None."""
@@ -257,6 +259,7 @@ class ModelConfig:
             local_rope_scaling=local_scaling,
             rope_interleaved=arch in DEEPSEEK and raw.get("rope_interleave", True) is not False,
             mla=_mla(raw) if arch in DEEPSEEK else None,
+            num_mtp_layers=(raw.get("num_nextn_predict_layers") or 0) if arch in DEEPSEEK else 0,
         )
 
     @classmethod

@@ -218,37 +218,50 @@ class DeepseekForCausalLM(MoEForCausalLM):
 
     def checkpoint_to_param(self, name: str) -> tuple[str, object] | None:
         if ".layers." in name and int(name.split(".")[2]) >= self.config.num_hidden_layers:
-            return None  # V3's multi-token prediction layer: not served yet
+            return None  # V3's multi-token prediction layer: a draft model of its own (deepseek_mtp.py)
         return super().checkpoint_to_param(name)
 
     @staticmethod
     def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-        """Names and full shapes of a Hugging Face DeepSeek-V2/V3 checkpoint's tensors (MTP layer not included)."""
-        mla, moe, h, heads = cfg.mla, cfg.moe, cfg.hidden_size, cfg.num_attention_heads
+        """Names and full shapes of a Hugging Face DeepSeek-V2/V3 checkpoint's tensors, V3's multi-token
+        prediction layers (after the decoder's, as DeepSeek's releases store them) included."""
+        h = cfg.hidden_size
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
         for n in range(cfg.num_hidden_layers):
-            p, a, m = f"model.layers.{n}.", f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
-            shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-            if mla.q_lora_rank is None:
-                shapes[a + "q_proj.weight"] = (heads * mla.qk_head_dim, h)
-            else:
-                shapes |= {a + "q_a_proj.weight": (mla.q_lora_rank, h), a + "q_a_layernorm.weight": (mla.q_lora_rank,),
-                           a + "q_b_proj.weight": (heads * mla.qk_head_dim, mla.q_lora_rank)}
-            shapes |= {a + "kv_a_proj_with_mqa.weight": (mla.latent_dim, h),
-                       a + "kv_a_layernorm.weight": (mla.kv_lora_rank,),
-                       a + "kv_b_proj.weight": (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
-                       a + "o_proj.weight": (h, heads * mla.v_head_dim)}
-            mlps = {m: cfg.intermediate_size}
-            if moe.is_moe_layer(n):
-                mlps = {f"{m}experts.{e}.": moe.intermediate_size for e in range(moe.num_experts)}
-                mlps[f"{m}shared_experts."] = moe.shared_expert_intermediate_size
-                shapes[m + "gate.weight"] = (moe.num_experts, h)
-                if moe.topk_method == "noaux_tc":
-                    shapes[m + "gate.e_score_correction_bias"] = (moe.num_experts,)
-            for prefix, i in mlps.items():
-                shapes |= {prefix + "gate_proj.weight": (i, h), prefix + "up_proj.weight": (i, h),
-                           prefix + "down_proj.weight": (h, i)}
+            shapes |= _layer_shapes(cfg, n)
         shapes["model.norm.weight"] = (h,)
         if not cfg.tie_word_embeddings:
             shapes["lm_head.weight"] = (cfg.vocab_size, h)
+        for n in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_mtp_layers):
+            p = f"model.layers.{n}."
+            shapes |= _layer_shapes(cfg, n) | {
+                p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "eh_proj.weight": (h, 2 * h),
+                p + "embed_tokens.weight": (cfg.vocab_size, h), p + "shared_head.norm.weight": (h,),
+                p + "shared_head.head.weight": (cfg.vocab_size, h)}
         return shapes
+
+
+def _layer_shapes(cfg: ModelConfig, n: int) -> dict[str, tuple[int, ...]]:
+    mla, moe, h, heads = cfg.mla, cfg.moe, cfg.hidden_size, cfg.num_attention_heads
+    p, a, m = f"model.layers.{n}.", f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
+    shapes = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+    if mla.q_lora_rank is None:
+        shapes[a + "q_proj.weight"] = (heads * mla.qk_head_dim, h)
+    else:
+        shapes |= {a + "q_a_proj.weight": (mla.q_lora_rank, h), a + "q_a_layernorm.weight": (mla.q_lora_rank,),
+                   a + "q_b_proj.weight": (heads * mla.qk_head_dim, mla.q_lora_rank)}
+    shapes |= {a + "kv_a_proj_with_mqa.weight": (mla.latent_dim, h),
+               a + "kv_a_layernorm.weight": (mla.kv_lora_rank,),
+               a + "kv_b_proj.weight": (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+               a + "o_proj.weight": (h, heads * mla.v_head_dim)}
+    mlps = {m: cfg.intermediate_size}
+    if moe.is_moe_layer(n):
+        mlps = {f"{m}experts.{e}.": moe.intermediate_size for e in range(moe.num_experts)}
+        mlps[f"{m}shared_experts."] = moe.shared_expert_intermediate_size
+        shapes[m + "gate.weight"] = (moe.num_experts, h)
+        if moe.topk_method == "noaux_tc":
+            shapes[m + "gate.e_score_correction_bias"] = (moe.num_experts,)
+    for prefix, i in mlps.items():
+        shapes |= {prefix + "gate_proj.weight": (i, h), prefix + "up_proj.weight": (i, h),
+                   prefix + "down_proj.weight": (h, i)}
+    return shapes

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from engine.models.deepseek import DeepseekForCausalLM
+from engine.models.deepseek_mtp import DeepseekMTP
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MoEForCausalLM
 
+MTP_ARCHITECTURE = "DeepseekMTP"
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -21,6 +23,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    # Draft models only: a checkpoint's multi-token prediction layer (speculative_config method "mtp").
+    MTP_ARCHITECTURE: DeepseekMTP,
 }
 
 

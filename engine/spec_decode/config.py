@@ -12,12 +12,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class SpeculativeConfig(BaseModel):
     """`ngram` drafts by prompt lookup (the tokens that followed an earlier occurrence of the request's
     last n tokens); `draft_model` drafts with a smaller model sharing the target's vocabulary, whose KV
-    lives in the same blocks (same block ids and tables) as the target's."""
+    lives in the same blocks (same block ids and tables) as the target's; `mtp` drafts with the multi-token
+    prediction layer the checkpoint ships (DeepSeek-V3), fed the target's hidden states, its KV kept the
+    same way."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["ngram", "draft_model"] = Field(
-        description="`ngram`: prompt lookup, no extra model. `draft_model`: a small model given by `model`."
+    method: Literal["ngram", "draft_model", "mtp"] = Field(
+        description="`ngram`: prompt lookup, no extra model. `draft_model`: a small model given by `model`. "
+        "`mtp`: the checkpoint's multi-token prediction layer (DeepSeek-V3), chained for k > 1."
     )
     num_speculative_tokens: int = Field(
         4, ge=1, le=16, description="Most draft tokens per request per step (k); the target verifies k + 1 positions."
@@ -43,6 +46,6 @@ class SpeculativeConfig(BaseModel):
             )
         if self.method == "draft_model" and not self.model:
             raise ValueError("model: method='draft_model' needs the draft's name or folder in `model`")
-        if self.method == "ngram" and self.model is not None:
+        if self.method != "draft_model" and self.model is not None:
             raise ValueError("model: only used with method='draft_model'; drop it or change `method`")
         return self

@@ -10,6 +10,7 @@ drafts, so rejected drafts need no cleanup: their slots are rewritten before any
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from engine.model_spec import ModelSpec
 from engine.models.config import ModelConfig
 from engine.models.layers.quantization import QuantizationConfig, resolve_quant_config
 from engine.models.model_path import resolve_model_path
+from engine.models.registry import MTP_ARCHITECTURE
 from engine.sample.sampler import build_sampling_metadata, processed_probs
 from engine.spec_decode.rejection_sampler import draw
 
@@ -53,9 +55,17 @@ class DraftCheckpoint:
             )
         return cls(path, cfg, resolve_quant_config(None, cfg.quantization_config))
 
+    @classmethod
+    def mtp(cls, target: ModelSpec) -> DraftCheckpoint:
+        """The target checkpoint's multi-token prediction layer (engine/models/deepseek_mtp.py)."""
+        cfg = dataclasses.replace(target.model_config, architecture=MTP_ARCHITECTURE)
+        return cls(target.path, cfg, target.quant_config)
+
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         """What the draft's KV adds to each of the target's blocks (the target's KV budget holds both)."""
         c = self.model_config
+        if c.architecture == MTP_ARCHITECTURE:  # one latent-attention layer: a latent per token, no K and V
+            return c.mla.latent_dim * block_size * dtype.itemsize
         return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * block_size * dtype.itemsize
 
     def build_worker(self, config: EngineConfig, target: ModelSpec, device: torch.device, num_blocks: int) -> Worker:
@@ -105,41 +115,26 @@ class DraftModelProposer:
         logits = self._forward(requests, seqs, kv, drafting)
         if not drafting:
             return {}
-        md = build_sampling_metadata([requests[j] for j in drafting], self.vocab_size, self.device)
-        md_row = {j: i for i, j in enumerate(drafting)}
-        probs: dict[int, list[torch.Tensor]] = {j: [] for j in drafting if not requests[j].sampling_params.greedy}
-
-        def pick(logits: torch.Tensor, active: list[int]) -> list[int]:
-            tokens = logits.argmax(dim=-1)
-            rows = [i for i, j in enumerate(active) if j in probs]
-            if rows:
-                # Non-greedy drafts come from the request's own processed distribution (temperature,
-                # top-k/top-p/min-p), so they stay close to the target's; verification needs that q.
-                md_rows = torch.tensor([md_row[active[i]] for i in rows], device=self.device)
-                q = processed_probs(logits[rows].float(), md, md_rows)
-                tokens[rows] = draw(q, self.generator).to(tokens.device)
-                for i, row in zip(rows, q):
-                    probs[active[i]].append(row)
-            return tokens.tolist()
-
-        tokens = pick(logits, drafting)
+        sampler = _DraftSampler(requests, drafting, self.vocab_size, self.device, self.generator)
+        tokens = sampler.pick(logits, drafting)
         for j, token in zip(drafting, tokens):
             requests[j].spec_token_ids = [token]
         # Forwards 2..k: each drafting request feeds its latest draft, one token at a time.
         for step in range(1, max(slots[j] for j in drafting)):
             active = [j for j in drafting if slots[j] > step]
             seqs = [(j, requests[j].num_tokens + step - 1, requests[j].spec_token_ids[-1:]) for j in active]
-            tokens = pick(self._forward(requests, seqs, kv, active), active)
+            tokens = sampler.pick(self._forward(requests, seqs, kv, active), active)
             for j, token in zip(active, tokens):
                 requests[j].spec_token_ids.append(token)
                 self._num_computed[requests[j].request_id] = requests[j].num_tokens + step
-        return {j: torch.stack(rows) for j, rows in probs.items()}
+        return sampler.distributions()
 
     def _forward(
-        self, requests: list[Request], seqs: list[tuple[int, int, list[int]]], kv: KVCacheManager, wanted: list[int]
+        self, requests: list[Request], seqs: list[tuple[int, int, list[int]]], kv: KVCacheManager, wanted: list[int],
+        previous_hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the draft over `seqs` (index, first position, tokens); logits at the last token of each
-        sequence in `wanted`, in that order."""
+        sequence in `wanted`, in that order. `previous_hidden`: an MTP layer's other input, a row per token."""
         starts, q_lens, rows, widths, input_ids = [], [], [], [], []
         last_row: dict[int, int] = {}
         for j, begin, tokens in seqs:
@@ -152,5 +147,33 @@ class DraftModelProposer:
             last_row[j] = len(input_ids) - 1
         inp = ModelInput.build(input_ids, starts, q_lens, self.block_table.table[rows, : max(widths)], self.block_size,
                                [last_row[j] for j in wanted])
+        inp.previous_hidden = previous_hidden
         logits = self.worker.execute_model(inp)
         return logits if logits is not None else torch.empty(0, self.vocab_size, device=self.device)
+
+
+class _DraftSampler:
+    """Picks the drafts of a step's forwards: the argmax for greedy requests; for the others a draw from the
+    request's own processed distribution (temperature, top-k/top-p/min-p), so that drafts stay close to the
+    target's, whose verification needs the distributions q they came from."""
+
+    def __init__(self, requests: list[Request], drafting: list[int], vocab_size: int, device: torch.device,
+                 generator: torch.Generator) -> None:
+        self.md = build_sampling_metadata([requests[j] for j in drafting], vocab_size, device)
+        self.md_row = {j: i for i, j in enumerate(drafting)}
+        self.probs: dict[int, list[torch.Tensor]] = {j: [] for j in drafting if not requests[j].sampling_params.greedy}
+        self.device, self.generator = device, generator
+
+    def pick(self, logits: torch.Tensor, active: list[int]) -> list[int]:
+        tokens = logits.argmax(dim=-1)
+        rows = [i for i, j in enumerate(active) if j in self.probs]
+        if rows:
+            md_rows = torch.tensor([self.md_row[active[i]] for i in rows], device=self.device)
+            q = processed_probs(logits[rows].float(), self.md, md_rows)
+            tokens[rows] = draw(q, self.generator).to(tokens.device)
+            for i, row in zip(rows, q):
+                self.probs[active[i]].append(row)
+        return tokens.tolist()
+
+    def distributions(self) -> dict[int, torch.Tensor]:
+        return {j: torch.stack(rows) for j, rows in self.probs.items()}
