@@ -107,5 +107,5 @@ class MTPProposer(DraftModelProposer):
         for j, _, tokens in seqs:
             total += len(tokens)
             last_row[j] = total - 1
-        rows = self.worker.hidden_states[torch.tensor([last_row[j] for j in wanted], dtype=torch.long)]
+        rows = self.worker.hidden_states[torch.tensor([last_row[j] for j in wanted], device=self.device)]
         return logits, dict(zip(wanted, rows))

@@ -10,7 +10,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = '''
-import asyncio, importlib.abc, importlib.machinery, sys
+import asyncio, importlib.abc, importlib.machinery, sys, traceback
+
+ATTEMPTS = []  # where something tried to import torch: shown if torch ends up loaded anyway
 
 class NoTorch(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path, target=None):  # found (transformers asks), but importing it fails
@@ -18,6 +20,7 @@ class NoTorch(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         return None
     def exec_module(self, module):
+        ATTEMPTS.append("".join(traceback.format_stack(limit=12)))
         raise ImportError("torch was imported")
 
 async def main():
@@ -30,7 +33,9 @@ async def main():
     async for out in llm.generate("Hello", SamplingParams(max_tokens=3, temperature=0)):
         pass
     llm.shutdown()
-    assert len(out.outputs[0].token_ids) == 3 and "torch" not in sys.modules
+    assert len(out.outputs[0].token_ids) == 3
+    torch = sys.modules.get("torch")
+    assert torch is None, f"torch loaded: {torch!r} (finders {sys.meta_path}); attempts: {ATTEMPTS}"
     print("ok")
 
 if __name__ == "__main__":
