@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -52,6 +52,15 @@ class EngineConfig(BaseModel):
         0.9, gt=0, le=1, description="Fraction of GPU memory the engine may use (CUDA only)."
     )
     max_num_seqs: int = Field(256, ge=1, description="Most requests running in one step.")
+    limit_mm_per_prompt: dict[str, int] = Field(
+        default_factory=dict, description="Most items of each modality in one prompt (vLLM's), e.g. {'image': 4}."
+    )
+    mm_processor_kwargs: dict[str, Any] | None = Field(
+        None, description="Settings passed to the checkpoint's image processor (part of each image's hash)."
+    )
+    mm_encoder_cache_gb: float = Field(
+        0.5, gt=0, description="Memory for image embeddings kept between steps and requests (the encoder cache)."
+    )
     max_num_batched_tokens: int | None = Field(
         None,
         ge=1,

@@ -62,6 +62,7 @@ def check_config(config: EngineConfig, model_config: ModelConfig) -> Quantizatio
     check_window_layers(config, model_config)
     check_latent_attention(config, model_config)
     check_mtp(config, model_config)
+    check_vision(config, model_config, quant_config)
     check_rank_layers(config, engine_model_config(config, model_config), quant_config)
     return quant_config
 
@@ -101,6 +102,21 @@ def check_mtp(config: EngineConfig, cfg: ModelConfig) -> None:
         raise ValueError(f"speculative_config: method='mtp' needs a checkpoint with multi-token prediction layers "
                          f"(DeepSeek-V3's num_nextn_predict_layers); this {cfg.architecture} checkpoint has none: use "
                          "method='ngram' or 'draft_model'")
+
+
+def check_vision(config: EngineConfig, cfg: ModelConfig, quant_config: QuantizationConfig | None) -> None:
+    """Refuse what does not yet work with a vision-language model (LLaVA): the pairs not built or tested."""
+    if cfg.vision is None:
+        return
+    if config.kv_transfer_config is not None:
+        raise ValueError(f"kv_transfer_config: KV transfer (disaggregated prefill) does not support "
+                         f"{cfg.architecture}'s images yet; serve it colocated")
+    if config.enable_lora:
+        raise ValueError(f"enable_lora: LoRA adapters are not supported for {cfg.architecture} yet; serve the base "
+                         "model or a merged checkpoint")
+    if quant_config is not None:
+        raise ValueError(f"quantization: {quant_config.name} is not supported for {cfg.architecture} yet; serve it "
+                         "unquantized")
 
 
 def local_model_config(model: str) -> ModelConfig | None:

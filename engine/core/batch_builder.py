@@ -10,10 +10,12 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.block_table import BlockTable
+from engine.core.encoder_cache import EncoderCache
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import SchedulerOutput
 from engine.executor.model_input import ModelInput
 from engine.kv_transfer.base import KVConnector
+from engine.multimodal.inputs import MultiModalInput
 from engine.spec_decode.drafter import Drafter
 
 
@@ -31,12 +33,14 @@ class StepPlan:
 
 class BatchBuilder:
     def __init__(self, config: EngineConfig, block_tables: list[BlockTable], drafter: Drafter | None,
-                 kv_connector: KVConnector | None) -> None:
-        """`block_tables`: one per KV cache group (engine/core/kv_cache_groups.py), the primary group's first."""
+                 kv_connector: KVConnector | None, encoder_cache: EncoderCache | None = None) -> None:
+        """`block_tables`: one per KV cache group (engine/core/kv_cache_groups.py), the primary group's first.
+        `encoder_cache`: a vision-language model's (images' embeddings)."""
         self.block_size = config.block_size
         self.enable_lora = config.enable_lora
         self.block_table, self.window_tables = block_tables[0], block_tables[1:]
         self.drafter, self.kv_connector = drafter, kv_connector
+        self.encoder_cache = encoder_cache
 
     @torch.inference_mode()
     def build(self, so: SchedulerOutput, kv: KVCacheManager) -> StepPlan:
@@ -53,6 +57,8 @@ class BatchBuilder:
         samplers: list[int] = []  # index in so.requests of each request that samples, in batch order
         logit_rows: list[int] = []  # flat token rows whose logits are needed: samplers first
         prompt_rows: list[tuple[int, int, int, int]] = []  # (index in so.requests, first position, count, row)
+        images: list[MultiModalInput] = []  # whose placeholder tokens this step computes
+        placements: list[tuple[str, int, int, int]] = []  # (image hash, first embedding, count, first row)
         num_tokens = 0
         for j in order:
             request, n = so.requests[j], so.num_scheduled_tokens[j]
@@ -77,6 +83,12 @@ class BatchBuilder:
                     logit_rows.extend(range(num_tokens + n - 1 - len(drafts), num_tokens + n))
                 else:
                     logit_rows.append(num_tokens + n - 1)
+            for image in request.mm_inputs:
+                first, last = max(start, image.offset), min(start + n, image.end)
+                if first < last:
+                    images.append(image)
+                    placements.append((image.content_hash, first - image.offset, last - first,
+                                       num_tokens + first - start))
             if request.wants_prompt_logprobs:
                 # Position p predicts prompt token p + 1; skip positions already done before a preemption.
                 first = max(start, len(request.prompt_logprobs) - 1)
@@ -93,6 +105,9 @@ class BatchBuilder:
         inp = ModelInput.build(input_ids, starts, q_lens, self.block_table.table[rows, :width], self.block_size,
                                logit_rows, lora_slots,
                                [t.table[r, :width] for t, r in zip(self.window_tables, window_rows)])
+        if placements:
+            inp.mm_encode, inp.mm_evict = self.encoder_cache.plan(images)
+            inp.mm_placements = placements
         if self.drafter is not None:
             self.drafter.record_step([so.requests[j].request_id for j in order], starts, q_lens)
         if self.kv_connector is not None:

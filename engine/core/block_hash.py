@@ -9,6 +9,8 @@ from array import array
 from collections.abc import Sequence
 from hashlib import blake2b
 
+from engine.multimodal.inputs import MultiModalInput, block_extra_keys
+
 BlockHash = int  # 128-bit
 
 NONE_HASH: BlockHash = 0  # parent of the first block
@@ -46,15 +48,20 @@ def hash_block_chain(
     cache_salt: str | None = None,
     parent_hashes: Sequence[BlockHash] = (),
     lora_digest: str | None = None,
+    mm_inputs: Sequence[MultiModalInput] = (),
 ) -> list[BlockHash]:
     """Hashes of every full block of `token_ids`, continuing after `parent_hashes` (the hashes
     already known for its first blocks). The extra keys (cache salt, adapter digest) enter the first
-    block only, which is enough to separate whole chains."""
+    block only, which is enough to separate whole chains; an image's content hash enters every block
+    that holds some of its placeholder tokens (engine/multimodal/inputs.py)."""
     hashes = list(parent_hashes)
     first_extra = first_block_extra_keys(cache_salt, lora_digest)
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = hashes[-1] if hashes else NONE_HASH
         extra = first_extra if not hashes else None
+        if mm_inputs:
+            images = block_extra_keys(mm_inputs, start, start + block_size)
+            extra = (extra or ()) + images if images else extra
         hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size], extra))
     return hashes
 

@@ -23,6 +23,7 @@ from engine.core.block_hash import hash_block_chain, short_hash
 from engine.core.block_pool import BlockPool
 from engine.core.block_table import BlockTable
 from engine.core.core_output import EngineCoreOutput
+from engine.core.encoder_cache import EncoderCache
 from engine.core.kv_cache_groups import KVCacheGroups
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.prepared_request import PreparedRequest
@@ -107,7 +108,11 @@ class EngineCore:
             self.structured_output = StructuredOutputManager(
                 tokenizer, self.model_config.vocab_size, eos_token_ids, config.max_num_seqs
             )
-            self.batch_builder = BatchBuilder(config, block_tables, drafter, self.kv_connector)
+            encoder_cache = None
+            if spec.model_config.vision is not None:
+                per_embedding = spec.model_config.hidden_size * spec.dtype.itemsize
+                encoder_cache = EncoderCache(int(config.mm_encoder_cache_gb * 2**30), per_embedding)
+            self.batch_builder = BatchBuilder(config, block_tables, drafter, self.kv_connector, encoder_cache)
             self.step_sampler = StepSampler(sampler, device, self.model_config.vocab_size, self.structured_output)
         except BaseException:
             self.shutdown()
@@ -171,7 +176,7 @@ class EngineCore:
         if hashes is None or prepared.lora_digest != digest or len(hashes) != num_blocks:
             # Hashed under another adapter's weights (or not at all): the prefix cache must not mix them.
             hashes = hash_block_chain(prepared.prompt_token_ids, self.config.block_size, prepared.cache_salt,
-                                      lora_digest=digest)
+                                      lora_digest=digest, mm_inputs=prepared.mm_inputs)
         children = [
             Request(
                 request_id=rid if params.n == 1 else f"{rid}#{i}",
@@ -189,6 +194,7 @@ class EngineCore:
                 # The first sample loads or produces the prompt's KV; its siblings share it (prefix cache).
                 kv_transfer_params=prepared.kv_transfer_params if i == 0 else None,
                 lora=adapter,
+                mm_inputs=prepared.mm_inputs,
                 block_hashes=hashes,  # one list for every sample: a sample extends it into a new list
             )
             for i in range(params.n)

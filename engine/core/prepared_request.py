@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.lora.request import LoRARequest
+from engine.multimodal.inputs import MultiModalInput
 from engine.sampling_params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class PreparedRequest:
     block_hashes: list[int] | None = None
     lora_digest: str | None = None
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent/tracestate carrier
+    mm_inputs: list[MultiModalInput] = field(default_factory=list)  # the prompt's images, by offset
     # Filled by the prefix router in the caller's process: prompt blocks each candidate replica is estimated
     # to hold (the P/D orchestrator's uncached length for the replica Serve picked).
     routed_matched_blocks: dict[str, int] = field(default_factory=dict)

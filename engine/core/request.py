@@ -15,6 +15,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.lora.peft import LoRAAdapter
+    from engine.multimodal.inputs import MultiModalInput
     from engine.structured_output.manager import GrammarState
 
 
@@ -60,6 +61,7 @@ class Request:
     kv_transfer_params: dict | None = None
     kv_transfer_result: dict | None = None
     lora: LoRAAdapter | None = None  # the adapter it runs with (held here: its weights are what it was hashed with)
+    mm_inputs: list[MultiModalInput] = field(default_factory=list)  # the prompt's images (engine/multimodal)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -96,7 +98,7 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         if self.block_hashes is None:
             self.block_hashes = hash_block_chain(self.all_token_ids, self.block_size, self.cache_salt,
-                                                 lora_digest=self.lora_digest)
+                                                 lora_digest=self.lora_digest, mm_inputs=self.mm_inputs)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
         if self.sampling_params.prompt_logprobs is not None:
@@ -141,5 +143,6 @@ class Request:
         self.all_token_ids.append(token_id)
         if len(self.all_token_ids) % self.block_size == 0:  # a block just filled: hash it
             self.block_hashes = hash_block_chain(
-                self.all_token_ids, self.block_size, self.cache_salt, self.block_hashes, self.lora_digest
+                self.all_token_ids, self.block_size, self.cache_salt, self.block_hashes, self.lora_digest,
+                self.mm_inputs,
             )

@@ -14,6 +14,7 @@ import math
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -97,6 +98,8 @@ class Worker:
         # takes them and clears this). Off otherwise: a long prefill's would stay held until the next step.
         self.keep_hidden_states = False
         self.hidden_states: torch.Tensor | None = None
+        # A vision-language model's image embeddings by content hash, as the driver's EncoderCache decides.
+        self.encoder_cache: dict[str, torch.Tensor] = {}
 
     @property
     def weight_bytes(self) -> int:
@@ -192,7 +195,10 @@ class Worker:
         if pp is not None and not pp.is_first:
             shape = (inp.num_tokens, self.spec.model_config.hidden_size)
             intermediate = tuple(pp.recv([shape, shape], self.spec.dtype, pp.rank_in_group - 1))
-        out = self.model(input_ids, positions, self.attn_backend, intermediate)
+        if inp.mm_placements:
+            out = self.model(input_ids, positions, self.attn_backend, intermediate, mm_embeds=self._image_embeds(inp))
+        else:
+            out = self.model(input_ids, positions, self.attn_backend, intermediate)
         last_stage = pp is None or pp.is_last
         if not last_stage:  # hidden states on their way to the next stage before anything else
             self._sends = pp.send(list(out), pp.rank_in_group + 1)
@@ -209,6 +215,19 @@ class Worker:
         if not len(inp.logit_rows):
             return None
         return self.model.compute_logits(out[torch.from_numpy(inp.logit_rows).to(dev)])
+
+    def _image_embeds(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token rows, embeddings) of the step's image placeholders, encoding the images it brings first."""
+        cache = self.encoder_cache
+        for content_hash in inp.mm_evict or ():
+            cache.pop(content_hash, None)
+        if inp.mm_encode:
+            hashes = list(inp.mm_encode)
+            pixels = torch.from_numpy(np.stack([inp.mm_encode[h] for h in hashes])).to(self.device)
+            cache.update(zip(hashes, self.model.embed_images(pixels)))
+        rows = torch.cat([torch.arange(row, row + count, device=self.device) for _, _, count, row in inp.mm_placements])
+        values = torch.cat([cache[h][first : first + count] for h, first, count, _ in inp.mm_placements])
+        return rows, values
 
     def _set_threads(self, num_tokens: int) -> None:
         """small_step_threads for small steps, the rank's threads otherwise (EngineConfig says why)."""

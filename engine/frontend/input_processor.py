@@ -120,6 +120,7 @@ class InputProcessor:
         lora_request: LoRARequest | None = None,
         lora_digest: str | None = None,
         trace_context: dict[str, str] | None = None,
+        multi_modal_data: dict | None = None,
     ) -> PreparedRequest:
         """Validate and tokenize a request, and hash its prompt's blocks, without touching engine state, so
         that any thread may call it. `lora_digest`: the adapter's weight digest where the caller knows it
@@ -131,6 +132,9 @@ class InputProcessor:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority: expected an int, got {priority!r}")
         token_ids = self.tokenize(prompt)
+        mm_inputs = []
+        if multi_modal_data is not None or self.model_config.vision is not None:
+            token_ids, mm_inputs = self.place_images(token_ids, multi_modal_data)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
@@ -160,7 +164,30 @@ class InputProcessor:
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
             lora_request=lora_request,
-            block_hashes=hash_block_chain(token_ids, self.config.block_size, cache_salt, lora_digest=lora_digest),
+            block_hashes=hash_block_chain(token_ids, self.config.block_size, cache_salt, lora_digest=lora_digest,
+                                          mm_inputs=mm_inputs),
             lora_digest=lora_digest,
             trace_context=trace_context or {},
+            mm_inputs=mm_inputs,
         )
+
+    def place_images(self, token_ids: list[int], multi_modal_data: dict | None) -> tuple[list[int], list]:
+        """The prompt with its images' placeholders expanded, and the images prepared (engine/multimodal)."""
+        vision = self.model_config.vision
+        data = dict(multi_modal_data or {})
+        unknown = set(data) - {"image"}
+        if unknown:
+            raise ValueError(f"multi_modal_data: {', '.join(sorted(unknown))} not supported; only 'image' is")
+        images = data.get("image", [])
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if vision is None:
+            if images:
+                raise ValueError(f"multi_modal_data: {self.config.model} is a text-only model; it takes no images")
+            return token_ids, []
+        limit = self.config.limit_mm_per_prompt.get("image", 1 << 30)
+        if len(images) > limit:
+            raise ValueError(f"multi_modal_data: {len(images)} images exceed limit_mm_per_prompt['image']={limit}")
+        from engine.multimodal.images import expand_images  # PIL and the image processor: only with images
+
+        path = resolve_model_path(self.config.model, self.config.revision, weights=False)
+        return expand_images(token_ids, images, vision, path, self.config.mm_processor_kwargs)

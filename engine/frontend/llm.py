@@ -13,7 +13,8 @@ from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
-PromptType = str | list[int]
+# Text or token ids, or vLLM's dict: {"prompt": text} or {"prompt_token_ids": ids}, with "multi_modal_data".
+PromptType = str | list[int] | dict
 
 
 class LLM:
@@ -59,11 +60,12 @@ class LLM:
                 )
         engine = self.llm_engine
         # Validate everything before enqueuing anything: no half-submitted batch left running.
-        prepared = [
-            engine.prepare_request(prompt, params.model_copy(update={"output_kind": RequestOutputKind.FINAL_ONLY}),
-                                   lora_request=lora)
-            for prompt, params, lora in zip(prompt_list, params_list, lora_list)
-        ]
+        prepared = []
+        for prompt, params, lora in zip(prompt_list, params_list, lora_list):
+            text, mm_data = _prompt_and_data(prompt)
+            prepared.append(engine.prepare_request(
+                text, params.model_copy(update={"output_kind": RequestOutputKind.FINAL_ONLY}), lora_request=lora,
+                multi_modal_data=mm_data))
         for p in prepared:  # read every adapter (a bad one raises) before anything is queued
             if p.lora_request is not None:
                 engine.add_lora(p.lora_request)
@@ -116,6 +118,18 @@ def _as_prompt_list(prompts) -> list[PromptType]:
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
         return [prompts]  # one prompt of token ids
     for p in prompts:
-        if not isinstance(p, (str, list, tuple)):
-            raise ValueError(f"prompts: expected str or list of token ids, got {type(p).__name__}")
-    return [p if isinstance(p, str) else list(p) for p in prompts]
+        if not isinstance(p, (str, list, tuple, dict)):
+            raise ValueError(f"prompts: expected str, a list of token ids or a dict, got {type(p).__name__}")
+    return [p if isinstance(p, (str, dict)) else list(p) for p in prompts]
+
+
+def _prompt_and_data(prompt: PromptType) -> tuple[str | list[int], dict | None]:
+    """(text or token ids, multi_modal_data) of a prompt; a dict is vLLM's shape."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("prompts: a dict prompt has 'prompt' (text) or 'prompt_token_ids', and may have "
+                         f"'multi_modal_data'; got keys {sorted(prompt)}")
+    text = prompt["prompt"] if "prompt" in prompt else list(prompt["prompt_token_ids"])
+    return text, prompt.get("multi_modal_data")

@@ -6,6 +6,7 @@ every spelling of a mixture-of-experts config (hub files and transformers 5's ow
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,12 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "DeepseekV3ForCausalLM": {},
     # engine/models/gpt_oss.py: attention sinks, alternating sliding-window layers, clamped SwiGLU experts.
     "GptOssForCausalLM": {},
+    # engine/models/llava.py: a CLIP vision tower and a projector in front of any of the dense language
+    # models above (text_config); what differs is the language model's.
+    "LlavaForConditionalGeneration": {},
 }
+# A LLaVA checkpoint's language model, by its text_config's model_type.
+_LLAVA_LANGUAGE_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # Where each MoE architecture's config.json counts its experts: transformers 5 writes `num_local_experts`
 # for Qwen3-MoE (an attribute_map) where hub files say `num_experts`; DeepSeek says `n_routed_experts`.
 MOE_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
@@ -190,6 +196,7 @@ class ModelConfig:
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek)
     # DeepSeek-V3's multi-token prediction layers, stored after the decoder's (engine/models/deepseek_mtp.py)
     num_mtp_layers: int = 0
+    vision: VisionConfig | None = None  # a vision-language model's image side (engine/models/llava.py)
 
     def sliding_window_of(self, layer: int) -> int | None:
         """The window layer `layer` attends over (the last this-many positions, its own included), or None."""
@@ -201,6 +208,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        if "LlavaForConditionalGeneration" in (raw.get("architectures") or []):
+            return _llava(raw)
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -265,6 +274,67 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """A LLaVA checkpoint's vision tower (CLIP's ViT), the hidden states its features come from, and the
+    projector that maps them into the language model's embeddings."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int
+    patch_size: int
+    num_channels: int
+    layer_norm_eps: float
+    hidden_act: str
+    feature_layers: tuple[int, ...]  # hidden-state indices (0: the embeddings), concatenated when several
+    select_strategy: str  # "default": drop the CLS position; "full": keep it
+    projector_hidden_act: str
+    projector_bias: bool
+    image_token_id: int
+
+    @property
+    def tokens_per_image(self) -> int:
+        patches = (self.image_size // self.patch_size) ** 2
+        return patches + (self.select_strategy == "full")
+
+    @property
+    def num_layers_run(self) -> int:
+        """Encoder layers the features need: up to the deepest selected hidden state."""
+        n = self.num_hidden_layers
+        return max(i if i >= 0 else n + 1 + i for i in self.feature_layers)
+
+
+def _llava(raw: dict[str, Any]) -> ModelConfig:
+    vision, text = dict(raw.get("vision_config") or {}), dict(raw.get("text_config") or {})
+    if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
+        raise ValueError(f"model: LLaVA with a {vision['model_type']!r} vision tower is not supported yet; "
+                         "CLIP (clip_vision_model) is")
+    text_type = text.get("model_type", "llama")
+    if text_type not in _LLAVA_LANGUAGE_MODELS:
+        raise ValueError(f"model: LLaVA over a {text_type!r} language model is not supported; "
+                         f"supported: {', '.join(_LLAVA_LANGUAGE_MODELS)}")
+    strategy = raw.get("vision_feature_select_strategy", "default")
+    if strategy not in ("default", "full"):
+        raise ValueError(f"model: vision_feature_select_strategy {strategy!r} is not one of default, full")
+    layers = raw.get("vision_feature_layer", -2)
+    language = ModelConfig.from_dict({**text, "architectures": [_LLAVA_LANGUAGE_MODELS[text_type]],
+                                      **({"eos_token_id": raw["eos_token_id"]} if "eos_token_id" in raw else {})})
+    image_size, patch_size = vision.get("image_size", 224), vision.get("patch_size", 32)
+    return dataclasses.replace(language, architecture="LlavaForConditionalGeneration", vision=VisionConfig(
+        hidden_size=vision.get("hidden_size", 768), intermediate_size=vision.get("intermediate_size", 3072),
+        num_hidden_layers=vision.get("num_hidden_layers", 12),
+        num_attention_heads=vision.get("num_attention_heads", 12),
+        image_size=image_size, patch_size=patch_size, num_channels=vision.get("num_channels", 3),
+        layer_norm_eps=vision.get("layer_norm_eps", 1e-5), hidden_act=vision.get("hidden_act", "quick_gelu"),
+        feature_layers=(layers,) if isinstance(layers, int) else tuple(layers), select_strategy=strategy,
+        projector_hidden_act=raw.get("projector_hidden_act", "gelu"),
+        projector_bias=raw.get("multimodal_projector_bias", True),
+        image_token_id=raw.get("image_token_id", raw.get("image_token_index", 32000))),
+        quantization_config=raw.get("quantization_config"))
 
 
 def _rope(params: dict[str, Any], theta: float) -> tuple[float, dict[str, Any] | None]:

@@ -149,9 +149,11 @@ class LlamaModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids, positions, backend, intermediate: IntermediateTensors | None = None):
+    def forward(self, input_ids, positions, backend, intermediate: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None):
+        """`inputs_embeds`: the first stage's input embeddings where a caller made them (images placed)."""
         if self.is_first_stage:
-            x, residual = self.embed(input_ids), None
+            x, residual = (self.embed(input_ids) if inputs_embeds is None else inputs_embeds), None
         else:
             x, residual = intermediate
         for layer in self.layers[self.start_layer : self.end_layer]:

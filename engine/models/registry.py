@@ -7,6 +7,7 @@ from engine.models.deepseek_mtp import DeepseekMTP
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.llava import LlavaForConditionalGeneration
 from engine.models.moe import MoEForCausalLM
 
 MTP_ARCHITECTURE = "DeepseekMTP"
@@ -23,6 +24,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     # Draft models only: a checkpoint's multi-token prediction layer (speculative_config method "mtp").
     MTP_ARCHITECTURE: DeepseekMTP,
 }

@@ -1,0 +1,82 @@
+"""Images into a prompt: decoded (PIL), hashed by content, and processed by the checkpoint's own image
+processor (Hugging Face's, loaded lazily: torch and its image code only where images are processed); each
+image's placeholder token expanded to the number of embeddings the vision tower gives it."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from engine.models.config import VisionConfig
+from engine.multimodal.inputs import MultiModalInput
+
+
+def content_hash(image, processor_kwargs: dict | None = None) -> str:
+    """Over the decoded pixels (mode, size, bytes) and the processor's settings: the same image sent as a URL
+    and as base64, or twice, is one entry everywhere."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{image.mode}:{image.size}:".encode())
+    h.update(image.tobytes())
+    h.update(json.dumps(processor_kwargs or {}, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=8)
+def image_processor(model_path: str):
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(model_path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"multi_modal_data: the checkpoint at {model_path} has no image processor: {e}") from e
+
+
+def expand_images(token_ids: list[int], images: list, vision: VisionConfig, model_path: str | Path,
+                  processor_kwargs: dict | None = None) -> tuple[list[int], list[MultiModalInput]]:
+    """The prompt with each image's placeholder token expanded to its embeddings' count (a run already that
+    long is kept), and the images as MultiModalInputs at their offsets. Raises ValueError naming the field."""
+    from PIL import Image
+
+    for i, image in enumerate(images):
+        if not isinstance(image, Image.Image):
+            raise ValueError(f"multi_modal_data: image {i} is a {type(image).__name__}, not a PIL image")
+    token = vision.image_token_id
+    runs, i = [], 0  # (start, length) of each run of placeholder tokens
+    while i < len(token_ids):
+        if token_ids[i] == token:
+            j = i
+            while j < len(token_ids) and token_ids[j] == token:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    n = vision.tokens_per_image
+    if any(length not in (1, n) for _, length in runs):
+        raise ValueError(f"prompt: each image is one placeholder token (id {token}) or {n} of them in a row")
+    if len(runs) != len(images):
+        raise ValueError(f"multi_modal_data: {len(images)} images for {len(runs)} image placeholders in the prompt; "
+                         "give one image per placeholder")
+    if not images:
+        return token_ids, []
+    kwargs = dict(processor_kwargs or {})
+    try:
+        pixels = image_processor(str(model_path))([im.convert("RGB") for im in images], return_tensors="np",
+                                                  **kwargs)["pixel_values"]
+    except ValueError:
+        raise
+    except Exception as e:  # the processor's own complaints about an image (sizes, modes)
+        raise ValueError(f"multi_modal_data: the image processor rejected an image: {e}") from e
+    expanded, inputs, last = [], [], 0
+    for (start, length), image, values in zip(runs, images, pixels):
+        expanded.extend(token_ids[last:start])
+        inputs.append(MultiModalInput(content_hash(image, kwargs), len(expanded), n,
+                                      np.ascontiguousarray(values, dtype=np.float32)))
+        expanded.extend([token] * n)
+        last = start + length
+    expanded.extend(token_ids[last:])
+    return expanded, inputs

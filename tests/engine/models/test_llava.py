@@ -1,0 +1,164 @@
+"""LLaVA (engine/models/llava.py) offline: images in prompts through the checkpoint's own processor, greedy tokens
+and logprobs equal to Hugging Face's `generate` on the same random weights (one image, two of different sizes,
+the same image twice, text only) in the default, no-prefix-cache and chunked modes (a chunk boundary inside
+an image's tokens); the prefix cache keys blocks by the images in them; the encoder runs once per image."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from engine import LLM, SamplingParams
+from tests.conftest import TINY
+from tests.parity import assert_tokens_match
+
+TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=1)
+
+
+def _image(seed: int, height: int, width: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+RED, WIDE, TALL = _image(1, 40, 40), _image(2, 30, 70), _image(3, 90, 36)
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> Path:
+    """A random-weight LLaVA saved by transformers, with its processor: CLIP's image processor, the built-in
+    tokenizer with <image> added, 4 x 4 patches of 8 pixels (16 embeddings an image, the CLS dropped)."""
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    from engine.models.builtin import materialize_builtin
+
+    path = tmp_path_factory.mktemp("llava")
+    tokenizer = AutoTokenizer.from_pretrained(materialize_builtin(TINY))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=32, patch_size=8)
+    text = LlamaConfig(vocab_size=32064, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1,
+                       eos_token_id=2)
+    config = LlavaConfig(vision_config=vision, text_config=text, vision_feature_layer=-2,
+                         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                         vision_feature_select_strategy="default", projector_hidden_act="gelu")
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config)
+    with torch.no_grad():  # perturb everything, norms and biases included, so loading each is tested
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+    model.save_pretrained(path)
+    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8, num_additional_image_tokens=1,
+                   vision_feature_select_strategy="default").save_pretrained(path)
+    return path
+
+
+def _hf(path: Path, prompt: str, images: list) -> tuple[list[int], list[int], list[torch.Tensor]]:
+    """Hugging Face's prompt ids, greedy tokens and each step's log_softmax."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    inputs = AutoProcessor.from_pretrained(path)(text=prompt, images=images or None, return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=TOKENS, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    prompt_ids = inputs["input_ids"][0].tolist()
+    return prompt_ids, out.sequences[0, len(prompt_ids):].tolist(), [x[0].float().log_softmax(-1) for x in out.logits]
+
+
+CASES = {
+    "one image": ("Describe <image> in a few words.", [RED]),
+    "two sizes": ("Compare <image> with <image>, please.", [WIDE, TALL]),
+    "same image twice": ("<image> and again <image>: the same?", [RED, RED]),
+    "text only": ("No image here, only words.", []),
+}
+
+
+@pytest.fixture(scope="module")
+def references(llava) -> dict[str, tuple]:
+    return {name: _hf(llava, prompt, images) for name, (prompt, images) in CASES.items()}
+
+
+@pytest.mark.parametrize("mode", [{}, {"enable_prefix_caching": False},
+                                  {"max_num_batched_tokens": 8, "block_size": 4}])  # chunks cut through images
+def test_greedy_tokens_and_logprobs_equal_hugging_face(llava, references, mode):
+    llm = LLM(str(llava), **({"dtype": "float32", "max_model_len": 512, "num_kv_blocks": 256} | mode))
+    prompts = [{"prompt": prompt, "multi_modal_data": {"image": images}} for prompt, images in CASES.values()]
+    outputs = llm.generate(prompts * 2, GREEDY, use_tqdm=False)  # twice: the second round from the prefix cache
+    for name, out in zip(list(CASES) * 2, outputs):
+        prompt_ids, tokens, logprobs = references[name]
+        assert out.prompt_token_ids == prompt_ids, name
+        tie = assert_tokens_match(out.outputs[0].token_ids, tokens, logprobs, what=name)
+        for i, (token, entry) in enumerate(zip(out.outputs[0].token_ids[:tie], out.outputs[0].logprobs)):
+            assert abs(entry[token].logprob - float(logprobs[i][token])) < 1e-4, name
+
+
+def test_prefix_cache_keys_blocks_by_their_images(llava):
+    llm = LLM(str(llava), dtype="float32", max_model_len=512, num_kv_blocks=256, block_size=4)
+    prompt = "Look: <image> and tell me what it shows."
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    def cached(image) -> int:
+        out = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": image}}], params, use_tqdm=False)[0]
+        return out.num_cached_tokens
+
+    assert cached(RED) == 0
+    first_image_token = llm.llm_engine.prepare_request(prompt, multi_modal_data={"image": RED}).mm_inputs[0].offset
+    assert cached(RED) > first_image_token + 16  # the image's blocks and the text after them
+    assert cached(WIDE) <= first_image_token  # same tokens, another image: only the text before it
+
+
+def test_the_encoder_runs_once_for_an_image_requests_share(llava):
+    llm = LLM(str(llava), dtype="float32", max_model_len=512, num_kv_blocks=256, enable_prefix_caching=False)
+    prompts = [{"prompt": f"Request {i}: <image> shows", "multi_modal_data": {"image": RED}} for i in range(4)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    cache = llm.llm_engine.core.batch_builder.encoder_cache
+    assert cache.num_encoded == 1 and cache.num_hits == 0  # one step prefilled all four: one encode, one read
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert cache.num_encoded == 1 and cache.num_hits == 1
+
+
+def test_bad_images_are_refused_naming_the_field(llava, tiny_model_path):
+    llm = LLM(str(llava), dtype="float32", max_model_len=512, num_kv_blocks=64, limit_mm_per_prompt={"image": 1})
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match="multi_modal_data: 2 images exceed limit_mm_per_prompt"):
+        engine.prepare_request("<image> <image>", multi_modal_data={"image": [RED, RED]})
+    with pytest.raises(ValueError, match="multi_modal_data: 1 images for 0 image placeholders"):
+        engine.prepare_request("no placeholder", multi_modal_data={"image": RED})
+    with pytest.raises(ValueError, match="multi_modal_data: image 0 is a str"):
+        engine.prepare_request("<image>", multi_modal_data={"image": "not an image"})
+    with pytest.raises(ValueError, match="multi_modal_data: video not supported"):
+        engine.prepare_request("<image>", multi_modal_data={"video": []})
+    text_only = LLM(str(tiny_model_path), max_model_len=256, num_kv_blocks=32)
+    with pytest.raises(ValueError, match="multi_modal_data: .* is a text-only model"):
+        text_only.generate([{"prompt": "Hi", "multi_modal_data": {"image": RED}}], use_tqdm=False)
+
+
+def test_tensor_parallel_and_refusals(llava):
+    """The tower is whole on each rank, the language model split: TP=2 gives one rank's tokens. What is not
+    built for images yet is refused by name."""
+    prompts = [{"prompt": prompt, "multi_modal_data": {"image": images}} for prompt, images in CASES.values()]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine = dict(dtype="float32", max_model_len=256, num_kv_blocks=64)
+    one = LLM(str(llava), **engine).generate(prompts, params, use_tqdm=False)
+    two = LLM(str(llava), **engine, tensor_parallel_size=2)
+    assert [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in one]
+    two.shutdown()
+    for kwargs, field in [({"enable_lora": True}, "enable_lora"), ({"quantization": "int8"}, "quantization"),
+                          ({"kv_transfer_config": {"kv_connector": "shared_memory", "kv_role": "kv_both"}},
+                           "kv_transfer_config")]:
+        with pytest.raises(ValueError, match=f"{field}: .*LlavaForConditionalGeneration"):
+            LLM(str(llava), max_model_len=256, num_kv_blocks=64, **kwargs)
