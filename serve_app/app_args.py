@@ -134,6 +134,13 @@ class AppArgs(BaseModel):
         "`auto` picks by the chat template's markers ([TOOL_CALLS]: mistral, <|python_start|>: pythonic, "
         "<|python_tag|>: llama3_json, else hermes).",
     )
+    allowed_media_domains: list[str] = Field(
+        default_factory=list, description="Hosts (and their subdomains) whose http(s) image URLs the app may fetch; "
+        "empty: none (data: URLs only).")
+    allowed_local_media_path: str | None = Field(
+        None, description="A folder whose files file: image URLs may name; None: file: URLs are refused.")
+    media_fetch_timeout_s: float = Field(5.0, gt=0, description="Longest an image URL's fetch may take.")
+    max_media_bytes: int = Field(20 * 2**20, ge=1, description="Largest image a request may send or name (bytes).")
     max_request_body_bytes: int = Field(
         8 * 2**20, ge=1024, description="Larger request bodies get 413 before they are parsed (default 8 MiB).")
     ray_actor_options: dict[str, Any] = Field(

@@ -19,6 +19,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from engine.frontend.input_processor import InputProcessor
+from engine.multimodal.media import MediaSettings
 from serve_app import lora_routes, replica_context, tracing
 from serve_app.anthropic_serving import AnthropicServing, add_routes
 from serve_app.app_args import AppArgs
@@ -49,7 +50,9 @@ class ClientFrontend:
         if args.serves_lora:  # the adapters' registry: lora_modules, and runtime loads under lora_root
             self.lora = LoRARegistry(args.name, self.processor.model_config, engine_config.max_lora_rank,
                                      args.lora_modules, args.lora_root)
-        self.openai = OpenAIServing(self.processor, args.name, engine, args.tool_call_parser, self.lora)
+        media = MediaSettings(tuple(args.allowed_media_domains), args.allowed_local_media_path,
+                              args.media_fetch_timeout_s, args.max_media_bytes)
+        self.openai = OpenAIServing(self.processor, args.name, engine, args.tool_call_parser, self.lora, media)
         self.anthropic = AnthropicServing(self.openai)
         self.extra_routes = [lambda app: add_routes(app, self.anthropic)]
         if args.allow_runtime_lora_updating:

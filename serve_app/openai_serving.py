@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from engine.core.prepared_request import PreparedRequest
 from engine.frontend.input_processor import InputProcessor, text_chars
+from engine.multimodal.media import MediaSettings, load_image
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from serve_app import tracing
@@ -62,6 +63,7 @@ async def tokenize_off_loop_if_large(num_chars: int, tokenize, *args, **kwargs):
 class _Prompt:
     token_ids: list[int]
     text: str | None  # the caller's text, when the prompt came as text
+    images: list = field(default_factory=list)  # PIL images of a chat's image_url parts, in order
 
 
 @dataclass
@@ -102,7 +104,7 @@ def _own_internal_request_id() -> None:
 
 class OpenAIServing:
     def __init__(self, processor: InputProcessor, served_model_name: str, engine, tool_call_parser: str = "auto",
-                 lora: LoRARegistry | None = None) -> None:
+                 lora: LoRARegistry | None = None, media: MediaSettings | None = None) -> None:
         self.processor = processor
         self.lora = lora  # the adapters served as models of their own (None: the base model only)
         self._adapter_handles: dict[str, object] = {}
@@ -112,6 +114,7 @@ class OpenAIServing:
         self.tool_parser = get_tool_parser(tool_call_parser, self.tokenizer.chat_template)
         self.harmony = is_harmony_template(self.tokenizer.chat_template)  # gpt-oss's channels (serve_app/harmony.py)
         self.formats = FormatValidator(processor)
+        self.media = media or MediaSettings()
 
     # --- shared -------------------------------------------------------------------------------------
 
@@ -192,7 +195,8 @@ class OpenAIServing:
             return self.processor.prepare_request(
                 prompt.token_ids, params, request_id, priority=req.priority, cache_salt=req.cache_salt,
                 lora_request=adapter.lora_request() if adapter is not None else None,
-                lora_digest=adapter.digest if adapter is not None else None, trace_context=tracing.inject())
+                lora_digest=adapter.digest if adapter is not None else None, trace_context=tracing.inject(),
+                multi_modal_data={"image": prompt.images} if prompt.images else None)
         except ValueError as e:
             raise from_exception(e) from e
 
@@ -377,7 +381,9 @@ class OpenAIServing:
 
     async def chat_prompt(self, req: ChatCompletionRequest) -> _Prompt:
         try:
-            messages = [_template_message(m) for m in req.messages]
+            urls: list[tuple[str, str]] = []  # (url, where) of each image part, in order
+            messages = [_template_message(m, f"messages[{i}]", urls) for i, m in enumerate(req.messages)]
+            images = await self._load_images(urls) if urls else []
             kwargs = dict(req.chat_template_kwargs or {})
             if req.tools:
                 kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
@@ -387,7 +393,14 @@ class OpenAIServing:
                     **kwargs)
         except ValueError as e:
             raise from_exception(e) from e
-        return _Prompt(token_ids, None)
+        return _Prompt(token_ids, None, images)
+
+    async def _load_images(self, urls: list[tuple[str, str]]) -> list:
+        """The images, decoded (and fetched) off the event loop; ValueError naming the part."""
+        if self.processor.model_config.vision is None:
+            raise ValueError(f"{urls[0][1]}: {self.model_name} is a text-only model; it takes no image_url parts")
+        with tracing.span("load_images", images=len(urls)):
+            return await asyncio.to_thread(lambda: [load_image(url, self.media, where) for url, where in urls])
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[ChatCompletionChunk]:
         self.check_model(req.model)
@@ -462,10 +475,26 @@ class OpenAIServing:
             yield ChatCompletionChunk(id=request_id, model=self.response_model(req), choices=[], usage=tally.usage())
 
 
-def _template_message(m) -> dict:
+def _template_message(m, where: str, urls: list[tuple[str, str]]) -> dict:
     """A chat message as chat templates expect it: tool calls' arguments as objects (Hugging Face's
-    convention; OpenAI sends JSON text), tool results with their call's id."""
-    message = {"role": m.role, "content": m.text()}
+    convention; OpenAI sends JSON text), tool results with their call's id; with image_url parts, the content
+    as a list of text and {"type": "image"} parts (vision-language templates write their placeholder for each),
+    each image's URL appended to `urls`."""
+    parts = m.content if isinstance(m.content, list) else []
+    if any(isinstance(p, dict) and p.get("type") == "image_url" for p in parts):
+        content = []
+        for j, part in enumerate(parts):
+            if part.get("type") == "image_url":
+                url = part.get("image_url", {}).get("url") if isinstance(part.get("image_url"), dict) else None
+                urls.append((url, f"{where}.content[{j}]"))
+                content.append({"type": "image"})
+            elif part.get("type") == "text" and isinstance(part.get("text"), str):
+                content.append({"type": "text", "text": part["text"]})
+            else:
+                raise ValueError(f"{where}.content[{j}]: parts of type {part.get('type')!r} are not supported")
+        message = {"role": m.role, "content": content}
+    else:
+        message = {"role": m.role, "content": m.text()}
     if m.name:
         message["name"] = m.name
     if m.tool_call_id is not None:

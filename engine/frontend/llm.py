@@ -10,6 +10,7 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.frontend.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
+from engine.multimodal.media import MediaSettings, load_image
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -21,8 +22,10 @@ class LLM:
     """`LLM("pagedserve-tiny", max_model_len=1024).generate(["Hello"], SamplingParams(max_tokens=8))`.
     Keyword arguments are EngineConfig fields."""
 
-    def __init__(self, model: str, **engine_config) -> None:
+    def __init__(self, model: str, media: MediaSettings | None = None, **engine_config) -> None:
+        """`media`: what image URLs in `chat` may name (data: URLs only by default)."""
         self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_config))
+        self.media = media or MediaSettings()
 
     def shutdown(self) -> None:
         """Stop the worker processes of a multi-rank engine; they also stop when this process exits."""
@@ -82,11 +85,17 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to several,
-        through the tokenizer's chat template."""
+        through the tokenizer's chat template. Content parts may carry images: {"type": "image_url",
+        "image_url": {"url": "data:..."}} (or a file: URL under media.allowed_local_media_path) or
+        {"type": "image_pil", "image_pil": <PIL image>}."""
         if not messages:
             raise ValueError("messages: must not be empty")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [self.llm_engine.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = []
+        for conversation in conversations:
+            conversation, images = _take_images(conversation, self.media)
+            ids = self.llm_engine.apply_chat_template(conversation, add_generation_prompt)
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -121,6 +130,30 @@ def _as_prompt_list(prompts) -> list[PromptType]:
         if not isinstance(p, (str, list, tuple, dict)):
             raise ValueError(f"prompts: expected str, a list of token ids or a dict, got {type(p).__name__}")
     return [p if isinstance(p, (str, dict)) else list(p) for p in prompts]
+
+
+def _take_images(messages: list[dict], media: MediaSettings) -> tuple[list[dict], list]:
+    """The messages with each image part as {"type": "image"} (what vision-language templates read), and the
+    images in order."""
+    images, out = [], []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list) or not any(p.get("type") in ("image_url", "image_pil") for p in content):
+            out.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            if part.get("type") == "image_url":
+                url = (part.get("image_url") or {}).get("url")
+                images.append(load_image(url, media, f"messages[{i}].content[{j}]"))
+            elif part.get("type") == "image_pil":
+                images.append(part.get("image_pil"))
+            else:
+                parts.append(part)
+                continue
+            parts.append({"type": "image"})
+        out.append({**message, "content": parts})
+    return out, images
 
 
 def _prompt_and_data(prompt: PromptType) -> tuple[str | list[int], dict | None]:

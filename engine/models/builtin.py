@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.models.config import ModelConfig
@@ -96,6 +97,20 @@ BUILTIN_MODELS: dict[str, dict] = {
         **_COMMON, **_GPT_OSS_ARCH, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 32016,
         "eos_token_id": [32005, 32006, 2],
+    },
+    # LLaVA: a 3-layer CLIP tower over 32-pixel images (4 x 4 patches: 16 embeddings an image) in front of
+    # pagedserve-tiny's shape; <image> is id 32000, the vocabulary padded to 32064 as llava-1.5's is.
+    "pagedserve-tiny-llava": {
+        "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_index": 32000,
+        "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "projector_hidden_act": "gelu",
+        "multimodal_projector_bias": True, "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.02,
+        "tie_word_embeddings": False, "torch_dtype": "float32",
+        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                          "num_hidden_layers": 3, "num_attention_heads": 4, "image_size": 32, "patch_size": 8,
+                          "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5},
+        "text_config": {**_ARCH, **_COMMON, "model_type": "llama", "vocab_size": 32064, "hidden_size": 64,
+                        "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
+                        "num_key_value_heads": 2, "head_dim": 16},
     },
     "pagedserve-tiny-deepseek-v3": {
         **_COMMON, **_DEEPSEEK_V3_ARCH, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 3,
@@ -173,8 +188,36 @@ HARMONY_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|start|>assistant' }}{%- endif %}"
 )
-HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
-_HARMONY_MODELS = {"pagedserve-tiny-gpt-oss"}
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+# LLaVA-1.5's turns, with <image> where each image part goes.
+LLAVA_TEMPLATE = (
+    "{%- for message in messages %}{{ 'USER: ' if message['role'] == 'user' else 'ASSISTANT: ' }}"
+    "{%- if message['content'] is string %}{{ message['content'] }}{%- else %}{%- for part in message['content'] %}"
+    "{{ '<image>' if part['type'] == 'image' else part['text'] }}{%- endfor %}{%- endif %}{{ '\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ 'ASSISTANT:' }}{%- endif %}"
+)
+# CLIP's preprocessing at the tiny tower's 32-pixel input (resized, centre-cropped, normalized).
+_LLAVA_IMAGE_PROCESSOR = {
+    "image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 32},
+    "crop_size": {"height": 32, "width": 32},
+    "do_resize": True, "do_center_crop": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "resample": 3, "do_convert_rgb": True,
+}
+
+
+@dataclass(frozen=True)
+class _Flavor:
+    """What a built-in's files say besides its weights: its chat template, the special tokens added after the
+    32k vocabulary (ids 32000 on, in order), and an image processor's config for vision-language models."""
+
+    chat_template: str = CHAT_TEMPLATE
+    added_tokens: tuple[str, ...] = ()
+    image_processor: dict | None = None
+
+
+_FLAVORS = {"pagedserve-tiny-gpt-oss": _Flavor(HARMONY_TEMPLATE, HARMONY_TOKENS),
+            "pagedserve-tiny-llava": _Flavor(LLAVA_TEMPLATE, ("<image>",), _LLAVA_IMAGE_PROCESSOR)}
 _TOKENIZER_CONFIG = {
     "tokenizer_class": "LlamaTokenizer",
     "bos_token": "<s>",
@@ -192,7 +235,7 @@ _FORMAT_VERSION = 1  # bump when the files written below change
 _WEIGHT_SEEDS = {"pagedserve-tiny": 0x24A9A3D7, "pagedserve-56m": 0x7BED96D1, "pagedserve-600m": 0x600D5EED,
                  "pagedserve-tiny-moe": 0x5E1F0C2B, "pagedserve-56m-moe": 0x3A7C94E5,
                  "pagedserve-tiny-gemma3": 0x6E3A3001, "pagedserve-tiny-deepseek-v3": 0xD5EE3003,
-                 "pagedserve-tiny-gpt-oss": 0x6F550004}
+                 "pagedserve-tiny-gpt-oss": 0x6F550004, "pagedserve-tiny-llava": 0x11A7A005}
 
 
 def cache_root() -> Path:
@@ -201,9 +244,9 @@ def cache_root() -> Path:
 
 def materialize_builtin(name: str) -> Path:
     spec = BUILTIN_MODELS[name]
-    harmony = name in _HARMONY_MODELS
-    template = HARMONY_TEMPLATE if harmony else CHAT_TEMPLATE
-    digest = hashlib.sha256(json.dumps([spec, template, _FORMAT_VERSION], sort_keys=True).encode())
+    flavor = _FLAVORS.get(name, _Flavor())
+    extra = [list(flavor.added_tokens), flavor.image_processor] if name in _FLAVORS else []
+    digest = hashlib.sha256(json.dumps([spec, flavor.chat_template, _FORMAT_VERSION, *extra], sort_keys=True).encode())
     path = cache_root() / "models" / f"{name}-{digest.hexdigest()[:12]}"
     if (path / "model.safetensors").is_file():
         return path
@@ -212,7 +255,7 @@ def materialize_builtin(name: str) -> Path:
     try:
         seed = _WEIGHT_SEEDS.get(name) or int(
             hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:8], 16)
-        write_checkpoint(tmp, spec, seed=seed, harmony=harmony)
+        write_checkpoint(tmp, spec, seed=seed, flavor=flavor)
         try:
             os.rename(tmp, path)  # atomic: concurrent replicas either win or find it done
         except OSError:
@@ -223,7 +266,7 @@ def materialize_builtin(name: str) -> Path:
     return path
 
 
-def write_checkpoint(path: Path, spec: dict, seed: int, harmony: bool = False) -> None:
+def write_checkpoint(path: Path, spec: dict, seed: int, flavor: _Flavor = _Flavor()) -> None:
     # Here, not at the top: processes that only tokenize (the ingress) read this module without torch.
     import torch
     from safetensors.torch import save_file
@@ -243,24 +286,24 @@ def write_checkpoint(path: Path, spec: dict, seed: int, harmony: bool = False) -
         else:
             tensors[name] = torch.randn(shape, generator=gen) * spec["initializer_range"]
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    write_tokenizer(path, harmony)
+    write_tokenizer(path, flavor)
+    if flavor.image_processor is not None:
+        (path / "preprocessor_config.json").write_text(json.dumps(flavor.image_processor, indent=2))
 
 
-def write_tokenizer(path: Path, harmony: bool = False) -> None:
-    """The 32k SentencePiece tokenizer with our [INST] template; `harmony`: with Harmony's special tokens
-    after the vocabulary (ids 32000 on, in HARMONY_TOKENS' order) and its template."""
+def write_tokenizer(path: Path, flavor: _Flavor = _Flavor()) -> None:
+    """The 32k SentencePiece tokenizer, with the flavor's chat template and added special tokens."""
     import mistral_common
     from transformers import AutoTokenizer
 
     sentencepiece = Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
     shutil.copyfile(sentencepiece, path / "tokenizer.model")
-    config = dict(_TOKENIZER_CONFIG)
-    if harmony:
-        config["chat_template"] = HARMONY_TEMPLATE
+    config = dict(_TOKENIZER_CONFIG, chat_template=flavor.chat_template)
+    if flavor.added_tokens:
         config["added_tokens_decoder"] = {
             str(32000 + i): {"content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
                              "single_word": False}
-            for i, t in enumerate(HARMONY_TOKENS)
+            for i, t in enumerate(flavor.added_tokens)
         }
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     # Converting the SentencePiece model takes seconds; save the fast tokenizer.json once.

@@ -13,7 +13,6 @@ import torch
 from PIL import Image
 
 from engine import LLM, SamplingParams
-from tests.conftest import TINY
 from tests.parity import assert_tokens_match
 
 TOKENS = 10
@@ -28,42 +27,8 @@ RED, WIDE, TALL = _image(1, 40, 40), _image(2, 30, 70), _image(3, 90, 36)
 
 
 @pytest.fixture(scope="module")
-def llava(tmp_path_factory) -> Path:
-    """A random-weight LLaVA saved by transformers, with its processor: CLIP's image processor, the built-in
-    tokenizer with <image> added, 4 x 4 patches of 8 pixels (16 embeddings an image, the CLS dropped)."""
-    from transformers import (
-        AutoTokenizer,
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
-
-    from engine.models.builtin import materialize_builtin
-
-    path = tmp_path_factory.mktemp("llava")
-    tokenizer = AutoTokenizer.from_pretrained(materialize_builtin(TINY))
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                              image_size=32, patch_size=8)
-    text = LlamaConfig(vocab_size=32064, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1,
-                       eos_token_id=2)
-    config = LlavaConfig(vision_config=vision, text_config=text, vision_feature_layer=-2,
-                         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-                         vision_feature_select_strategy="default", projector_hidden_act="gelu")
-    torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(config)
-    with torch.no_grad():  # perturb everything, norms and biases included, so loading each is tested
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
-    model.save_pretrained(path)
-    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8, num_additional_image_tokens=1,
-                   vision_feature_select_strategy="default").save_pretrained(path)
-    return path
+def llava(llava_checkpoint) -> Path:
+    return llava_checkpoint
 
 
 def _hf(path: Path, prompt: str, images: list) -> tuple[list[int], list[int], list[torch.Tensor]]:
@@ -162,3 +127,25 @@ def test_tensor_parallel_and_refusals(llava):
                            "kv_transfer_config")]:
         with pytest.raises(ValueError, match=f"{field}: .*LlavaForConditionalGeneration"):
             LLM(str(llava), max_model_len=256, num_kv_blocks=64, **kwargs)
+
+
+def test_chat_takes_image_parts(llava):
+    import base64
+    import io
+
+    llm = LLM(str(llava), dtype="float32", max_model_len=256, num_kv_blocks=64)
+    png = io.BytesIO()
+    WIDE.save(png, format="PNG")
+    data_url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    by_url, by_pil = (llm.chat([{"role": "user", "content": [{"type": "text", "text": "See"}, part]}], params,
+                               use_tqdm=False)[0]
+                      for part in ({"type": "image_url", "image_url": {"url": data_url}},
+                                   {"type": "image_pil", "image_pil": WIDE}))
+    ids = llm.llm_engine.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "See"},
+                                                                             {"type": "image"}]}])
+    direct = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": WIDE}}], params, use_tqdm=False)[0]
+    assert by_url.outputs[0].token_ids == by_pil.outputs[0].token_ids == direct.outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[1\]: fetching images from 'example.com'"):
+        llm.chat([{"role": "user", "content": [{"type": "text", "text": "See"},
+                                               {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}])

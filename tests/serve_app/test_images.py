@@ -1,0 +1,134 @@
+"""Images over the OpenAI chat route, through the `openai` SDK, against an app serving a LLaVA checkpoint:
+data URLs and fetched URLs give the tokens the offline engine gives; every bad image is a 400 naming the
+part; a text-only model refuses images with a 400."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import threading
+import time
+
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.frontend.input_processor import InputProcessor
+
+PNG_SIZE_LIMIT = 6_000  # max_media_bytes of the app: the big image below is over it
+
+
+def _png(seed: int, height: int, width: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+SMALL, OTHER, BIG = _png(1, 24, 30), _png(2, 30, 20), _png(3, 80, 80)
+
+
+def _data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - http.server's name
+        if self.path == "/slow.png":
+            time.sleep(3)
+        body = {"/small.png": SMALL, "/big.png": BIG, "/slow.png": SMALL}.get(self.path)
+        if self.path == "/elsewhere.png":  # a redirect off the allowed host
+            self.send_response(302)
+            self.send_header("Location", "http://localhost.invalid/small.png")
+            self.end_headers()
+            return
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llava_app(deploy_app, llava_checkpoint) -> str:
+    return deploy_app("llava", "/llava", model=str(llava_checkpoint), num_replicas=1,
+                      engine={"max_model_len": 512, "num_kv_blocks": 128, "num_threads": 1,
+                              "limit_mm_per_prompt": {"image": 2}},
+                      allowed_media_domains=["127.0.0.1"], media_fetch_timeout_s=1.0, max_media_bytes=PNG_SIZE_LIMIT)
+
+
+@pytest.fixture(scope="module")
+def client(llava_app) -> openai.OpenAI:
+    return openai.OpenAI(base_url=llava_app + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _chat(client, *urls: str, text: str = "What is in"):
+    content = [{"type": "text", "text": text}] + [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=6, temperature=0,
+                                          messages=[{"role": "user", "content": content}],
+                                          extra_body={"ignore_eos": True})
+
+
+def _offline_text(llava_checkpoint, *pngs: bytes, text: str = "What is in") -> str:
+    config = EngineConfig(model=str(llava_checkpoint), max_model_len=512, num_kv_blocks=128)
+    processor = InputProcessor.from_config(config)
+    ids = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": text}] + [{"type": "image"}] * len(pngs)}])
+    images = [Image.open(io.BytesIO(p)) for p in pngs]
+    llm = LLM(str(llava_checkpoint), max_model_len=512, num_kv_blocks=128)
+    out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}],
+                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    return out.outputs[0].text
+
+
+def test_data_and_fetched_urls_give_the_offline_tokens(client, image_server, llava_checkpoint):
+    expected = _offline_text(llava_checkpoint, SMALL, OTHER)
+    by_data = _chat(client, _data_url(SMALL), _data_url(OTHER))
+    assert by_data.choices[0].message.content == expected
+    assert by_data.usage.prompt_tokens > 32  # each image's 16 placeholders are in the prompt
+    by_url = _chat(client, image_server + "/small.png", _data_url(OTHER))  # the same pixels: the same tokens
+    assert by_url.choices[0].message.content == expected
+
+
+@pytest.mark.parametrize("url, message", [
+    ("data:image/png;base64,@@@not-base64", "base64 does not decode"),
+    (_data_url(b"GIF89a but not really an image"), "not an image"),
+    (_data_url(BIG), "larger than max_media_bytes"),
+    ("ftp://127.0.0.1/small.png", "data:, http(s): or"),
+    ("file:///etc/passwd", "allowed_local_media_path"),
+    ("http://localhost.invalid/small.png", "not allowed"),
+])
+def test_bad_images_are_400_naming_the_part(client, url, message):
+    with pytest.raises(openai.BadRequestError) as error:
+        _chat(client, url)
+    assert error.value.status_code == 400
+    assert "messages[0].content[1]" in str(error.value) and message in str(error.value)
+
+
+def test_fetch_limits(client, image_server):
+    for path, message in [("/slow.png", "longer than"), ("/big.png", "larger than max_media_bytes"),
+                          ("/elsewhere.png", "not allowed"), ("/missing.png", "HTTP 404")]:
+        with pytest.raises(openai.BadRequestError, match=message):
+            _chat(client, image_server + path)
+    with pytest.raises(openai.BadRequestError, match="limit_mm_per_prompt"):
+        _chat(client, _data_url(SMALL), _data_url(SMALL), _data_url(SMALL))
+
+
+def test_a_text_only_model_refuses_images(serve_app_url):
+    plain = openai.OpenAI(base_url=serve_app_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match="text-only model"):
+        _chat(plain, _data_url(SMALL))
