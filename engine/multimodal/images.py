@@ -37,42 +37,35 @@ def image_processor(model_path: str):
 
 def expand_images(token_ids: list[int], images: list, vision: VisionConfig, model_path: str | Path,
                   processor_kwargs: dict | None = None) -> tuple[list[int], list[MultiModalInput]]:
-    """The prompt with each image's placeholder token expanded to its embeddings' count (a run already that
-    long is kept), and the images as MultiModalInputs at their offsets. Raises ValueError naming the field."""
+    """The prompt with each image's placeholder token expanded to its embeddings' count (a prompt already
+    holding every image's whole run is kept), and the images as MultiModalInputs at their offsets. Raises
+    ValueError naming the field."""
     from PIL import Image
 
     for i, image in enumerate(images):
         if not isinstance(image, Image.Image):
             raise ValueError(f"multi_modal_data: image {i} is a {type(image).__name__}, not a PIL image")
-    token = vision.image_token_id
-    runs, i = [], 0  # (start, length) of each run of placeholder tokens
-    while i < len(token_ids):
-        if token_ids[i] == token:
-            j = i
-            while j < len(token_ids) and token_ids[j] == token:
-                j += 1
-            runs.append((i, j - i))
-            i = j
-        else:
-            i += 1
-    n = vision.tokens_per_image
-    if any(length not in (1, n) for _, length in runs):
-        raise ValueError(f"prompt: each image is one placeholder token (id {token}) or {n} of them in a row")
-    if len(runs) != len(images):
-        raise ValueError(f"multi_modal_data: {len(images)} images for {len(runs)} image placeholders in the prompt; "
-                         "give one image per placeholder")
+    token, n = vision.image_token_id, vision.tokens_per_image
+    positions = [i for i, t in enumerate(token_ids) if t == token]
+    if len(positions) == len(images) * n and n > 1:
+        spans = [(positions[k * n], n) for k in range(len(images))]  # already expanded: each image's run kept
+        if any(positions[k * n + n - 1] != positions[k * n] + n - 1 for k in range(len(images))):
+            raise ValueError(f"prompt: an expanded image placeholder must be {n} tokens (id {token}) in a row")
+    elif len(positions) == len(images):
+        spans = [(p, 1) for p in positions]  # one placeholder an image, as a chat template writes them
+    else:
+        raise ValueError(f"multi_modal_data: {len(images)} images for {len(positions)} image placeholder tokens "
+                         f"(id {token}) in the prompt; give one image per placeholder")
     if not images:
         return token_ids, []
     kwargs = dict(processor_kwargs or {})
     try:
         pixels = image_processor(str(model_path))([im.convert("RGB") for im in images], return_tensors="np",
                                                   **kwargs)["pixel_values"]
-    except ValueError:
-        raise
     except Exception as e:  # the processor's own complaints about an image (sizes, modes)
         raise ValueError(f"multi_modal_data: the image processor rejected an image: {e}") from e
     expanded, inputs, last = [], [], 0
-    for (start, length), image, values in zip(runs, images, pixels):
+    for (start, length), image, values in zip(spans, images, pixels):
         expanded.extend(token_ids[last:start])
         inputs.append(MultiModalInput(content_hash(image, kwargs), len(expanded), n,
                                       np.ascontiguousarray(values, dtype=np.float32)))

@@ -46,7 +46,7 @@ def _hf(path: Path, prompt: str, images: list) -> tuple[list[int], list[int], li
 CASES = {
     "one image": ("Describe <image> in a few words.", [RED]),
     "two sizes": ("Compare <image> with <image>, please.", [WIDE, TALL]),
-    "same image twice": ("<image> and again <image>: the same?", [RED, RED]),
+    "same image twice": ("<image><image> the same?", [RED, RED]),  # side by side
     "text only": ("No image here, only words.", []),
 }
 
@@ -100,7 +100,7 @@ def test_bad_images_are_refused_naming_the_field(llava, tiny_model_path):
     engine = llm.llm_engine
     with pytest.raises(ValueError, match="multi_modal_data: 2 images exceed limit_mm_per_prompt"):
         engine.prepare_request("<image> <image>", multi_modal_data={"image": [RED, RED]})
-    with pytest.raises(ValueError, match="multi_modal_data: 1 images for 0 image placeholders"):
+    with pytest.raises(ValueError, match="multi_modal_data: 1 images for 0 image placeholder tokens"):
         engine.prepare_request("no placeholder", multi_modal_data={"image": RED})
     with pytest.raises(ValueError, match="multi_modal_data: image 0 is a str"):
         engine.prepare_request("<image>", multi_modal_data={"image": "not an image"})
