@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from engine.core.prepared_request import PreparedRequest
 from engine.frontend.input_processor import InputProcessor, text_chars
-from engine.multimodal.media import MediaSettings, load_image
+from engine.multimodal.media import MediaSettings, load_images, split_image_parts
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from serve_app import tracing
@@ -381,9 +381,8 @@ class OpenAIServing:
 
     async def chat_prompt(self, req: ChatCompletionRequest) -> _Prompt:
         try:
-            urls: list[tuple[str, str]] = []  # (url, where) of each image part, in order
-            messages = [_template_message(m, f"messages[{i}]", urls) for i, m in enumerate(req.messages)]
-            images = await self._load_images(urls) if urls else []
+            messages, sources = split_image_parts([_template_message(m) for m in req.messages])
+            images = await self._load_images(sources) if sources else []
             kwargs = dict(req.chat_template_kwargs or {})
             if req.tools:
                 kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
@@ -395,12 +394,15 @@ class OpenAIServing:
             raise from_exception(e) from e
         return _Prompt(token_ids, None, images)
 
-    async def _load_images(self, urls: list[tuple[str, str]]) -> list:
+    async def _load_images(self, sources: list[tuple[object, str]]) -> list:
         """The images, decoded (and fetched) off the event loop; ValueError naming the part."""
         if self.processor.model_config.vision is None:
-            raise ValueError(f"{urls[0][1]}: {self.model_name} is a text-only model; it takes no image_url parts")
-        with tracing.span("load_images", images=len(urls)):
-            return await asyncio.to_thread(lambda: [load_image(url, self.media, where) for url, where in urls])
+            raise ValueError(f"{sources[0][1]}: {self.model_name} is a text-only model; it takes no image_url parts")
+        if not all(isinstance(url, str) for url, _ in sources):
+            where = next(where for url, where in sources if not isinstance(url, str))
+            raise ValueError(f"{where}: image_url.url must be a string")
+        with tracing.span("load_images", images=len(sources)):
+            return await asyncio.to_thread(load_images, sources, self.media)
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[ChatCompletionChunk]:
         self.check_model(req.model)
@@ -475,26 +477,13 @@ class OpenAIServing:
             yield ChatCompletionChunk(id=request_id, model=self.response_model(req), choices=[], usage=tally.usage())
 
 
-def _template_message(m, where: str, urls: list[tuple[str, str]]) -> dict:
+def _template_message(m) -> dict:
     """A chat message as chat templates expect it: tool calls' arguments as objects (Hugging Face's
-    convention; OpenAI sends JSON text), tool results with their call's id; with image_url parts, the content
-    as a list of text and {"type": "image"} parts (vision-language templates write their placeholder for each),
-    each image's URL appended to `urls`."""
-    parts = m.content if isinstance(m.content, list) else []
-    if any(isinstance(p, dict) and p.get("type") == "image_url" for p in parts):
-        content = []
-        for j, part in enumerate(parts):
-            if part.get("type") == "image_url":
-                url = part.get("image_url", {}).get("url") if isinstance(part.get("image_url"), dict) else None
-                urls.append((url, f"{where}.content[{j}]"))
-                content.append({"type": "image"})
-            elif part.get("type") == "text" and isinstance(part.get("text"), str):
-                content.append({"type": "text", "text": part["text"]})
-            else:
-                raise ValueError(f"{where}.content[{j}]: parts of type {part.get('type')!r} are not supported")
-        message = {"role": m.role, "content": content}
-    else:
-        message = {"role": m.role, "content": m.text()}
+    convention; OpenAI sends JSON text), tool results with their call's id; content parts kept as parts where
+    images are among them (engine/multimodal/media.py's split_image_parts reads them), else joined text."""
+    has_images = isinstance(m.content, list) and any(isinstance(p, dict) and p.get("type") == "image_url"
+                                                     for p in m.content)
+    message = {"role": m.role, "content": m.content if has_images else m.text()}
     if m.name:
         message["name"] = m.name
     if m.tool_call_id is not None:

@@ -10,7 +10,7 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.frontend.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
-from engine.multimodal.media import MediaSettings, load_image
+from engine.multimodal.media import MediaSettings, load_images, split_image_parts
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -93,7 +93,8 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conversation in conversations:
-            conversation, images = _take_images(conversation, self.media)
+            conversation, sources = split_image_parts(conversation)
+            images = load_images(sources, self.media)
             ids = self.llm_engine.apply_chat_template(conversation, add_generation_prompt)
             prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
@@ -130,30 +131,6 @@ def _as_prompt_list(prompts) -> list[PromptType]:
         if not isinstance(p, (str, list, tuple, dict)):
             raise ValueError(f"prompts: expected str, a list of token ids or a dict, got {type(p).__name__}")
     return [p if isinstance(p, (str, dict)) else list(p) for p in prompts]
-
-
-def _take_images(messages: list[dict], media: MediaSettings) -> tuple[list[dict], list]:
-    """The messages with each image part as {"type": "image"} (what vision-language templates read), and the
-    images in order."""
-    images, out = [], []
-    for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list) or not any(p.get("type") in ("image_url", "image_pil") for p in content):
-            out.append(message)
-            continue
-        parts = []
-        for j, part in enumerate(content):
-            if part.get("type") == "image_url":
-                url = (part.get("image_url") or {}).get("url")
-                images.append(load_image(url, media, f"messages[{i}].content[{j}]"))
-            elif part.get("type") == "image_pil":
-                images.append(part.get("image_pil"))
-            else:
-                parts.append(part)
-                continue
-            parts.append({"type": "image"})
-        out.append({**message, "content": parts})
-    return out, images
 
 
 def _prompt_and_data(prompt: PromptType) -> tuple[str | list[int], dict | None]:

@@ -28,6 +28,47 @@ class MediaSettings:
     max_media_bytes: int = 20 * 2**20
 
 
+_IMAGE_PARTS = ("image_url", "image_pil")
+
+
+def split_image_parts(messages: list[dict]) -> tuple[list[dict], list[tuple[object, str]]]:
+    """The chat's messages with each image part ({"type": "image_url", "image_url": {"url": ...}}, or offline
+    {"type": "image_pil", "image_pil": <PIL image>}) as {"type": "image"}, what vision-language chat templates
+    write a placeholder for; and each image's source (its URL, or the PIL image) with where it was
+    ("messages[i].content[j]"), in order."""
+    sources, out = [], []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in _IMAGE_PARTS
+                                                    for p in content):
+            out.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                url = part.get("image_url")
+                sources.append((url.get("url") if isinstance(url, dict) else None, f"messages[{i}].content[{j}]"))
+            elif kind == "image_pil":
+                sources.append((part.get("image_pil"), f"messages[{i}].content[{j}]"))
+            elif kind == "text" and isinstance(part.get("text"), str):
+                parts.append(part)
+                continue
+            else:
+                raise ValueError(f"messages[{i}].content[{j}]: parts of type {kind!r} are not supported")
+            parts.append({"type": "image"})
+        out.append({**message, "content": parts})
+    return out, sources
+
+
+def load_images(sources: list[tuple[object, str]], settings: MediaSettings) -> list:
+    """The PIL images of split_image_parts' sources: URLs loaded, PIL images as they are."""
+    from PIL import Image
+
+    return [source if isinstance(source, Image.Image) else load_image(source, settings, where)
+            for source, where in sources]
+
+
 def load_image(url: str, settings: MediaSettings, where: str):
     """The PIL image an `image_url` part names; ValueError naming `where` (e.g. "messages[0].content[1]")."""
     if not isinstance(url, str) or not url:

@@ -115,7 +115,7 @@ class DraftModelProposer:
         logits = self._forward(requests, seqs, kv, drafting)
         if not drafting:
             return {}
-        sampler = _DraftSampler(requests, drafting, self.vocab_size, self.device, self.generator)
+        sampler = DraftSampler(requests, drafting, self.vocab_size, self.device, self.generator)
         tokens = sampler.pick(logits, drafting)
         for j, token in zip(drafting, tokens):
             requests[j].spec_token_ids = [token]
@@ -152,7 +152,7 @@ class DraftModelProposer:
         return logits if logits is not None else torch.empty(0, self.vocab_size, device=self.device)
 
 
-class _DraftSampler:
+class DraftSampler:
     """Picks the drafts of a step's forwards: the argmax for greedy requests; for the others a draw from the
     request's own processed distribution (temperature, top-k/top-p/min-p), so that drafts stay close to the
     target's, whose verification needs the distributions q they came from."""

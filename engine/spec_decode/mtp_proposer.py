@@ -19,7 +19,7 @@ from engine.core.block_table import BlockTable
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
 from engine.executor.worker import Worker
-from engine.spec_decode.draft_proposer import DraftModelProposer, _DraftSampler
+from engine.spec_decode.draft_proposer import DraftModelProposer, DraftSampler
 
 
 class MTPProposer(DraftModelProposer):
@@ -85,7 +85,7 @@ class MTPProposer(DraftModelProposer):
         logits, hidden = self._run(requests, [s[:3] for s in seqs], kv, drafting, torch.cat([s[3] for s in seqs]))
         if not drafting:
             return {}
-        sampler = _DraftSampler(requests, drafting, self.vocab_size, self.device, self.generator)
+        sampler = DraftSampler(requests, drafting, self.vocab_size, self.device, self.generator)
         for j, token in zip(drafting, sampler.pick(logits, drafting)):
             requests[j].spec_token_ids = [token]
         # Drafts 2..k: the layer's own output stands in for the target's hidden state one position on.
