@@ -34,6 +34,7 @@ from serve_app.openai_serving import OpenAIServing, UsageTally
 from serve_app.protocol.anthropic import (
     AnthropicErrorResponse,
     Conversation,
+    ImageBlockParam,
     MessageParam,
     MessagesRequest,
     MessagesResponse,
@@ -102,7 +103,12 @@ def _chat_messages(turns: list[tuple[str, list]]) -> list[dict]:
         results = [b for b in blocks if isinstance(b, ToolResultBlockParam)]
         for r in results:  # is_error has no place in chat templates' tool messages: the text says what happened
             messages.append({"role": "tool", "tool_call_id": r.tool_use_id, "content": r.text()})
-        if text.strip() or not results:
+        if any(isinstance(b, ImageBlockParam) for b in blocks):  # OpenAI's parts, in the blocks' order
+            parts = [{"type": "text", "text": b.text} if isinstance(b, TextBlockParam)
+                     else {"type": "image_url", "image_url": {"url": b.source.data_url()}}
+                     for b in blocks if isinstance(b, (TextBlockParam, ImageBlockParam))]
+            messages.append({"role": "user", "content": parts})
+        elif text.strip() or not results:
             messages.append({"role": "user", "content": text})
     return messages
 

@@ -35,7 +35,7 @@ def split_image_parts(messages: list[dict]) -> tuple[list[dict], list[tuple[obje
     """The chat's messages with each image part ({"type": "image_url", "image_url": {"url": ...}}, or offline
     {"type": "image_pil", "image_pil": <PIL image>}) as {"type": "image"}, what vision-language chat templates
     write a placeholder for; and each image's source (its URL, or the PIL image) with where it was
-    ("messages[i].content[j]"), in order."""
+    ("messages.i.content.j"), in order."""
     sources, out = [], []
     for i, message in enumerate(messages):
         content = message.get("content")
@@ -48,14 +48,14 @@ def split_image_parts(messages: list[dict]) -> tuple[list[dict], list[tuple[obje
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "image_url":
                 url = part.get("image_url")
-                sources.append((url.get("url") if isinstance(url, dict) else None, f"messages[{i}].content[{j}]"))
+                sources.append((url.get("url") if isinstance(url, dict) else None, f"messages.{i}.content.{j}"))
             elif kind == "image_pil":
-                sources.append((part.get("image_pil"), f"messages[{i}].content[{j}]"))
+                sources.append((part.get("image_pil"), f"messages.{i}.content.{j}"))
             elif kind == "text" and isinstance(part.get("text"), str):
                 parts.append(part)
                 continue
             else:
-                raise ValueError(f"messages[{i}].content[{j}]: parts of type {kind!r} are not supported")
+                raise ValueError(f"messages.{i}.content.{j}: parts of type {kind!r} are not supported")
             parts.append({"type": "image"})
         out.append({**message, "content": parts})
     return out, sources
@@ -70,7 +70,7 @@ def load_images(sources: list[tuple[object, str]], settings: MediaSettings) -> l
 
 
 def load_image(url: str, settings: MediaSettings, where: str):
-    """The PIL image an `image_url` part names; ValueError naming `where` (e.g. "messages[0].content[1]")."""
+    """The PIL image an `image_url` part names; ValueError naming `where` (e.g. "messages.0.content.1")."""
     if not isinstance(url, str) or not url:
         raise ValueError(f"{where}: image_url.url must be a non-empty string")
     scheme = urlparse(url).scheme.lower()

@@ -2,8 +2,8 @@
 
 Follows Anthropic's documented shapes. Requests ignore fields we do not know (`metadata`, `cache_control`
 on blocks, `anthropic-beta` features...); every field we do know is validated here and fails with its
-name. Content blocks are text, `tool_use` (assistant turns) and `tool_result` (user turns); others
-(images, documents, thinking) are rejected, naming the block's place. Tools are client tools with an
+name. Content blocks are text, `tool_use` (assistant turns), `tool_result` and `image` (user turns); others
+(documents, thinking) are rejected, naming the block's place. Tools are client tools with an
 `input_schema`; Anthropic's server tools (web search, code execution...) are rejected naming `tools`."""
 
 from __future__ import annotations
@@ -54,7 +54,28 @@ class ToolResultBlockParam(_Request):
         return _join(self.content)
 
 
-ContentBlockParam = Annotated[TextBlockParam | ToolUseBlockParam | ToolResultBlockParam, Field(discriminator="type")]
+class ImageSource(_Request):
+    type: Literal["base64", "url"]
+    media_type: str | None = None  # base64
+    data: str | None = None  # base64
+    url: str | None = None  # url
+
+    def data_url(self) -> str | None:
+        """The image as the OpenAI route's image_url takes it (None when the source lacks its field)."""
+        if self.type == "base64":
+            return f"data:{self.media_type or 'image/png'};base64,{self.data}" if self.data else None
+        return self.url
+
+
+class ImageBlockParam(_Request):
+    """An image in a user turn (for a vision-language model)."""
+
+    type: Literal["image"]
+    source: ImageSource
+
+
+ContentBlockParam = Annotated[TextBlockParam | ToolUseBlockParam | ToolResultBlockParam | ImageBlockParam,
+                              Field(discriminator="type")]
 
 
 def _blocks(value: Any, allowed: tuple[str, ...]) -> Any:
@@ -81,9 +102,10 @@ def _blocks(value: Any, allowed: tuple[str, ...]) -> Any:
 
 # What each block type must carry, checked before the union is tried (its errors would name the wrong branch).
 _REQUIRED = {"text": {"text": str}, "tool_use": {"id": str, "name": str, "input": dict},
-             "tool_result": {"tool_use_id": str}}
+             "tool_result": {"tool_use_id": str}, "image": {"source": dict}}
 _REQUIRED_NAMES = {"text": "a string `text`", "id": "a string `id`", "name": "a string `name`",
-                   "input": "an object `input`", "tool_use_id": "a string `tool_use_id`"}
+                   "input": "an object `input`", "tool_use_id": "a string `tool_use_id`",
+                   "source": "an object `source`"}
 
 
 def _join(content: str | list[TextBlockParam]) -> str:
@@ -98,7 +120,8 @@ class MessageParam(_Request):
     @classmethod
     def _check_content(cls, value: Any, info: ValidationInfo) -> Any:
         # tool_use blocks belong to assistant turns, tool_result blocks to user turns (Anthropic's rule).
-        return _blocks(value, ("text", "tool_use") if info.data.get("role") == "assistant" else ("text", "tool_result"))
+        assistant = info.data.get("role") == "assistant"
+        return _blocks(value, ("text", "tool_use") if assistant else ("text", "tool_result", "image"))
 
     def text(self) -> str:
         """The text blocks' text, concatenated (tool blocks left out)."""
@@ -106,7 +129,7 @@ class MessageParam(_Request):
             return self.content
         return "".join(b.text for b in self.content if isinstance(b, TextBlockParam))
 
-    def blocks(self) -> list[TextBlockParam | ToolUseBlockParam | ToolResultBlockParam]:
+    def blocks(self) -> list[TextBlockParam | ToolUseBlockParam | ToolResultBlockParam | ImageBlockParam]:
         return [TextBlockParam(type="text", text=self.content)] if isinstance(self.content, str) else list(self.content)
 
 

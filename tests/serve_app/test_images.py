@@ -115,8 +115,8 @@ def test_data_and_fetched_urls_give_the_offline_tokens(client, image_server, lla
 def test_bad_images_are_400_naming_the_part(client, url, message):
     with pytest.raises(openai.BadRequestError) as error:
         _chat(client, url)
-    assert error.value.status_code == 400
-    assert "messages[0].content[1]" in str(error.value) and message in str(error.value)
+    assert error.value.status_code == 400 and error.value.body["param"] == "messages.0.content.1"
+    assert message in str(error.value)
 
 
 def test_fetch_limits(client, image_server):

@@ -146,6 +146,6 @@ def test_chat_takes_image_parts(llava):
                                                                              {"type": "image"}]}])
     direct = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": WIDE}}], params, use_tqdm=False)[0]
     assert by_url.outputs[0].token_ids == by_pil.outputs[0].token_ids == direct.outputs[0].token_ids
-    with pytest.raises(ValueError, match=r"messages\[0\].content\[1\]: fetching images from 'example.com'"):
+    with pytest.raises(ValueError, match=r"messages.0.content.1: fetching images from 'example.com'"):
         llm.chat([{"role": "user", "content": [{"type": "text", "text": "See"},
                                                {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}])
