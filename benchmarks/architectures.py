@@ -165,8 +165,11 @@ def family_checkpoint(name: str, spec: dict | None) -> Path:
     if not (folder / "model.safetensors").is_file():
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=folder.parent))
-        write_checkpoint(tmp, full, seed=0x5EED)
-        tmp.rename(folder)
+        try:
+            write_checkpoint(tmp, full, seed=0x5EED)
+            tmp.rename(folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves no half-written folder behind
     return folder
 
 

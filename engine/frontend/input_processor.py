@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
@@ -35,9 +36,12 @@ class InputProcessor:
     """Thread-safe: it holds no per-request state."""
 
     def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase, max_model_len: int
+        self, config: EngineConfig, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase, max_model_len: int,
+        model_path: Path,
     ) -> None:
+        """`model_path`: the checkpoint folder (a vision-language model's image processor is read from it)."""
         self.config = config
+        self.model_path = model_path
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -55,7 +59,7 @@ class InputProcessor:
         path = resolve_model_path(config.model, config.revision, weights=False)
         model_config = ModelConfig.from_pretrained(path)
         tokenizer = tokenizer_for(config, path)
-        return cls(config, model_config, tokenizer, resolve_max_model_len(config, model_config))
+        return cls(config, model_config, tokenizer, resolve_max_model_len(config, model_config), path)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt given as text or ids, validated (the parameter is named `prompt`)."""
@@ -189,5 +193,4 @@ class InputProcessor:
             raise ValueError(f"multi_modal_data: {len(images)} images exceed limit_mm_per_prompt['image']={limit}")
         from engine.multimodal.images import expand_images  # PIL and the image processor: only with images
 
-        path = resolve_model_path(self.config.model, self.config.revision, weights=False)
-        return expand_images(token_ids, images, vision, path, self.config.mm_processor_kwargs)
+        return expand_images(token_ids, images, vision, self.model_path, self.config.mm_processor_kwargs)

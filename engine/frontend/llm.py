@@ -94,7 +94,7 @@ class LLM:
         prompts = []
         for conversation in conversations:
             conversation, sources = split_image_parts(conversation)
-            images = load_images(sources, self.media)
+            images = load_images(sources, self.media) if sources else []
             ids = self.llm_engine.apply_chat_template(conversation, add_generation_prompt)
             prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)

@@ -35,7 +35,8 @@ class LLMEngine:
         self.model_config = spec.model_config
         self.max_model_len = spec.max_model_len
         self.tokenizer = tokenizer_for(config, spec.path)
-        self.input_processor = InputProcessor(config, self.model_config, self.tokenizer, self.max_model_len)
+        self.input_processor = InputProcessor(config, self.model_config, self.tokenizer, self.max_model_len,
+                                              spec.path)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.core = EngineCore(config, spec, self.tokenizer, rendezvous)
 

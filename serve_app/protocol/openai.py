@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 
 from engine.sampling_params import MAX_LOGPROBS, StructuredOutputsParams, check_json_schema
 from engine.text_validation import ValidTextModel
@@ -280,19 +280,20 @@ class DeltaToolCall(BaseModel):
     function: DeltaFunctionCall | None = None
 
 
-class ResponseMessage(BaseModel):
+class _ReasoningContent(BaseModel):
+    """`reasoning_content`: the older name of a message's `reasoning` that some clients read, the same text."""
+
+    @computed_field
+    @property
+    def reasoning_content(self) -> str | None:
+        return self.reasoning
+
+
+class ResponseMessage(_ReasoningContent):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
-    # The model's reasoning, apart from content (Harmony's analysis channel); `reasoning_content` is the
-    # older name some clients read, always the same text.
-    reasoning: str | None = None
-    reasoning_content: str | None = None
-
-    @model_validator(mode="after")
-    def _mirror_reasoning(self) -> ResponseMessage:
-        self.reasoning_content = self.reasoning
-        return self
+    reasoning: str | None = None  # the model's reasoning, apart from content (Harmony's analysis channel)
 
 
 class ChatChoice(BaseModel):
@@ -313,17 +314,11 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: list[dict[str, float] | None] | None = None
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_ReasoningContent):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
     reasoning: str | None = None
-    reasoning_content: str | None = None
-
-    @model_validator(mode="after")
-    def _mirror_reasoning(self) -> DeltaMessage:
-        self.reasoning_content = self.reasoning
-        return self
 
 
 class ChatChunkChoice(BaseModel):
