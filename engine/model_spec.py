@@ -105,7 +105,7 @@ def check_mtp(config: EngineConfig, cfg: ModelConfig) -> None:
 
 
 def check_vision(config: EngineConfig, cfg: ModelConfig, quant_config: QuantizationConfig | None) -> None:
-    """Refuse what does not yet work with a vision-language model (LLaVA): the pairs not built or tested."""
+    """Refuse what does not yet work with a vision-language model (LLaVA, Qwen-VL): the pairs not built or tested."""
     if cfg.vision is None:
         return
     if config.kv_transfer_config is not None:

@@ -135,7 +135,8 @@ class OpenAIServing:
     def model_cards(self) -> list[ModelCard]:
         """The base model, then each adapter as a model of its own whose parent is the base (vLLM's cards)."""
         max_len = self.processor.max_model_len
-        cards = [ModelCard(id=self.model_name, max_model_len=max_len)]
+        modalities = ["text"] if self.processor.model_config.vision is None else ["text", "image"]
+        cards = [ModelCard(id=self.model_name, max_model_len=max_len, input_modalities=modalities)]
         for entry in self.lora.entries() if self.lora is not None else ():
             cards.append(ModelCard(id=entry.name, root=entry.path, parent=self.model_name, max_model_len=max_len))
         return cards

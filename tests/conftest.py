@@ -231,3 +231,55 @@ def write_llava_checkpoint(path: Path) -> Path:
 @pytest.fixture(scope="session")
 def llava_checkpoint(tmp_path_factory) -> Path:
     return write_llava_checkpoint(tmp_path_factory.mktemp("llava"))
+
+
+def write_qwen_vl_checkpoint(path: Path, generation: str = "2.5") -> Path:
+    """A random-weight Qwen2.5-VL (or Qwen2-VL) saved by transformers, with the built-in tokenizer plus
+    ChatML's and the vision tokens, QWEN_VL_TEMPLATE, and Qwen2-VL's image processor over 8-pixel patches
+    merged 2 x 2 (images of 16^2 to 96^2 pixels); Qwen2.5-VL's windows are 2 x 2 merge squares, its second
+    of three blocks full attention. transformers' whole Qwen processor needs torchvision (its video
+    processor), which this host cannot install: only its parts are saved."""
+    from transformers import (
+        AutoTokenizer,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from engine.models.builtin import QWEN_VL_TEMPLATE, QWEN_VL_TOKENS
+
+    tokenizer = AutoTokenizer.from_pretrained(materialize_builtin(TINY))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_VL_TOKENS)})
+    tokenizer.chat_template = QWEN_VL_TEMPLATE
+    ids = dict(zip(QWEN_VL_TOKENS, tokenizer.convert_tokens_to_ids(list(QWEN_VL_TOKENS))))
+    text = dict(_SMALL, vocab_size=32064, eos_token_id=ids["<|im_end|>"],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    if generation == "2.5":
+        vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64, patch_size=8,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=32, fullatt_block_indexes=[1])
+        config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
+        model_cls = Qwen2_5_VLForConditionalGeneration
+    else:
+        vision = dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=4, hidden_size=64, patch_size=8,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        config = Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
+        model_cls = Qwen2VLForConditionalGeneration
+    torch.manual_seed(0)
+    model = model_cls(config)
+    with torch.no_grad():  # perturb everything, norms and biases included, so loading each is tested
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name or "ln_q" in name else 0.05 * torch.randn_like(p))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2,
+                             size={"shortest_edge": 16 * 16, "longest_edge": 96 * 96}).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen2_5_vl_checkpoint(tmp_path_factory) -> Path:
+    return write_qwen_vl_checkpoint(tmp_path_factory.mktemp("qwen2_5_vl"))

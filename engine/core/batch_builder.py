@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig
@@ -16,6 +17,7 @@ from engine.core.scheduler import SchedulerOutput
 from engine.executor.model_input import ModelInput
 from engine.kv_transfer.base import KVConnector
 from engine.multimodal.inputs import MultiModalInput
+from engine.multimodal.mrope import mrope_positions
 from engine.spec_decode.drafter import Drafter
 
 
@@ -33,14 +35,17 @@ class StepPlan:
 
 class BatchBuilder:
     def __init__(self, config: EngineConfig, block_tables: list[BlockTable], drafter: Drafter | None,
-                 kv_connector: KVConnector | None, encoder_cache: EncoderCache | None = None) -> None:
+                 kv_connector: KVConnector | None, encoder_cache: EncoderCache | None = None,
+                 mrope_merge: int | None = None) -> None:
         """`block_tables`: one per KV cache group (engine/core/kv_cache_groups.py), the primary group's first.
-        `encoder_cache`: a vision-language model's (images' embeddings)."""
+        `encoder_cache`: a vision-language model's (images' embeddings). `mrope_merge`: an M-RoPE model's
+        spatial merge size (its image tokens' positions follow their merged patch grid)."""
         self.block_size = config.block_size
         self.enable_lora = config.enable_lora
         self.block_table, self.window_tables = block_tables[0], block_tables[1:]
         self.drafter, self.kv_connector = drafter, kv_connector
         self.encoder_cache = encoder_cache
+        self.mrope_merge = mrope_merge
 
     @torch.inference_mode()
     def build(self, so: SchedulerOutput, kv: KVCacheManager) -> StepPlan:
@@ -108,6 +113,10 @@ class BatchBuilder:
         if placements:
             inp.mm_encode, inp.mm_evict = self.encoder_cache.plan(images)
             inp.mm_placements = placements
+        if self.mrope_merge is not None and any(so.requests[j].mm_inputs for j in order):
+            inp.mrope_positions = np.concatenate(
+                [mrope_positions(so.requests[j].mm_inputs, self.mrope_merge, start, n)
+                 for j, start, n in zip(order, starts, q_lens)], axis=1)
         if self.drafter is not None:
             self.drafter.record_step([so.requests[j].request_id for j in order], starts, q_lens)
         if self.kv_connector is not None:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-import numpy as np
-
 from engine.multimodal.inputs import MultiModalInput
 
 
@@ -27,9 +25,9 @@ class EncoderCache:
     def used_bytes(self) -> int:
         return sum(self._held.values())
 
-    def plan(self, needed: list[MultiModalInput]) -> tuple[dict[str, np.ndarray], list[str]]:
-        """For a step that reads `needed`: the pixels to encode (by hash) and the hashes to drop first."""
-        encode: dict[str, np.ndarray] = {}
+    def plan(self, needed: list[MultiModalInput]) -> tuple[list[MultiModalInput], list[str]]:
+        """For a step that reads `needed`: the images to encode and the hashes to drop first."""
+        encode: dict[str, MultiModalInput] = {}
         for image in needed:
             if image.content_hash in encode:
                 continue
@@ -37,7 +35,7 @@ class EncoderCache:
                 self._held.move_to_end(image.content_hash)
                 self.num_hits += 1
                 continue
-            encode[image.content_hash] = image.pixel_values
+            encode[image.content_hash] = image
             self._held[image.content_hash] = image.length * self.bytes_per_embedding
             self.num_encoded += 1
         evict, read = [], {image.content_hash for image in needed}
@@ -48,4 +46,4 @@ class EncoderCache:
             if content_hash not in read:
                 used -= self._held.pop(content_hash)
                 evict.append(content_hash)
-        return encode, evict
+        return list(encode.values()), evict

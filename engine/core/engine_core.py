@@ -112,7 +112,9 @@ class EngineCore:
             if spec.model_config.vision is not None:
                 per_embedding = spec.model_config.hidden_size * spec.dtype.itemsize
                 encoder_cache = EncoderCache(int(config.mm_encoder_cache_gb * 2**30), per_embedding)
-            self.batch_builder = BatchBuilder(config, block_tables, drafter, self.kv_connector, encoder_cache)
+            mrope_merge = spec.model_config.vision.spatial_merge_size if spec.model_config.mrope_section else None
+            self.batch_builder = BatchBuilder(config, block_tables, drafter, self.kv_connector, encoder_cache,
+                                              mrope_merge)
             self.step_sampler = StepSampler(sampler, device, self.model_config.vocab_size, self.structured_output)
         except BaseException:
             self.shutdown()

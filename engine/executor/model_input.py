@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from engine.kv_transfer.base import KVConnectorMetadata
+from engine.multimodal.inputs import MultiModalInput
 from ops.attention import AttentionMetadata
 
 
@@ -37,12 +38,15 @@ class ModelInput:
     # An MTP draft layer's other input: the hidden state each token's position follows from
     # (engine/spec_decode/mtp_proposer.py). Built on the driver's device; never sent to other ranks.
     previous_hidden: torch.Tensor | None = None
-    # Images (engine/core/encoder_cache.py): pixels to encode this step by content hash, which every worker
-    # then holds in its encoder cache; the hashes it drops first; and where each scheduled run of placeholder
+    # Images (engine/core/encoder_cache.py): those to encode this step, which every worker then holds in its
+    # encoder cache by content hash; the hashes it drops first; and where each scheduled run of placeholder
     # tokens takes its embeddings: (hash, first embedding, count, first token row).
-    mm_encode: dict[str, np.ndarray] | None = None
+    mm_encode: list[MultiModalInput] | None = None
     mm_evict: list[str] | None = None
     mm_placements: list[tuple[str, int, int, int]] | None = None
+    # M-RoPE models (Qwen-VL), in a step where some request has images: int64 [3, num_tokens]
+    # (engine/multimodal/mrope.py); `positions` still places the KV.
+    mrope_positions: np.ndarray | None = None
 
     @classmethod
     def build(cls, input_ids: list[int], starts: list[int], q_lens: list[int], block_tables: np.ndarray,

@@ -14,7 +14,6 @@ import math
 import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -189,7 +188,7 @@ class Worker:
         if self.lora is not None:
             self.lora.set_step(inp.lora_slots)
         input_ids = torch.from_numpy(inp.input_ids).to(dev)
-        positions = torch.from_numpy(inp.positions).to(dev)
+        positions = torch.from_numpy(inp.positions if inp.mrope_positions is None else inp.mrope_positions).to(dev)
         intermediate = inp.previous_hidden  # an MTP layer's (engine/models/deepseek_mtp.py)
         pp = self.pp
         if pp is not None and not pp.is_first:
@@ -222,9 +221,7 @@ class Worker:
         for content_hash in inp.mm_evict or ():
             cache.pop(content_hash, None)
         if inp.mm_encode:
-            hashes = list(inp.mm_encode)
-            pixels = torch.from_numpy(np.stack([inp.mm_encode[h] for h in hashes])).to(self.device)
-            cache.update(zip(hashes, self.model.embed_images(pixels)))
+            cache.update(zip([image.content_hash for image in inp.mm_encode], self.model.embed_images(inp.mm_encode)))
         rows = torch.cat([torch.arange(row, row + count, device=self.device) for _, _, count, row in inp.mm_placements])
         values = torch.cat([cache[h][first : first + count] for h, first, count, _ in inp.mm_placements])
         return rows, values

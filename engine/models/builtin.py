@@ -112,6 +112,21 @@ BUILTIN_MODELS: dict[str, dict] = {
                         "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
                         "num_key_value_heads": 2, "head_dim": 16},
     },
+    # Qwen2.5-VL: a 4-layer windowed vision transformer (14-pixel patches merged 2 x 2: an image of up to
+    # 224 x 224 pixels makes up to 64 embeddings) in front of pagedserve-tiny's shape as a Qwen2 language
+    # model with M-RoPE; ChatML and the vision tokens are ids 32000-32005.
+    "pagedserve-tiny-qwen2.5-vl": {
+        **_COMMON, "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+        "hidden_act": "silu", "vocab_size": 32064, "hidden_size": 64, "intermediate_size": 192,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "float32",
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}, "eos_token_id": [32001, 2],
+        "vision_start_token_id": 32002, "vision_end_token_id": 32003, "image_token_id": 32004,
+        "video_token_id": 32005,
+        "vision_config": {"depth": 4, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "in_channels": 3,
+                          "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                          "window_size": 56, "fullatt_block_indexes": [1, 3], "hidden_act": "silu",
+                          "tokens_per_second": 2},
+    },
     "pagedserve-tiny-deepseek-v3": {
         **_COMMON, **_DEEPSEEK_V3_ARCH, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 3,
         "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -196,6 +211,23 @@ LLAVA_TEMPLATE = (
     "{{ '<image>' if part['type'] == 'image' else part['text'] }}{%- endfor %}{%- endif %}{{ '\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{ 'ASSISTANT:' }}{%- endif %}"
 )
+# ChatML, as Qwen's chat templates write it, with each image part as <|vision_start|><|image_pad|><|vision_end|>.
+QWEN_VL_TEMPLATE = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{ message['content'] }}{%- else %}{%- for part in message['content'] %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' if part['type'] == 'image' else part['text'] }}"
+    "{%- endfor %}{%- endif %}{{ '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+QWEN_VL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# Qwen2-VL's preprocessing: resized to multiples of 28 pixels within [56^2, 224^2] pixels, cut into 14-pixel
+# patches (each twice in time, as a still image is), normalized.
+_QWEN_VL_IMAGE_PROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
+    "size": {"shortest_edge": 56 * 56, "longest_edge": 224 * 224}, "do_resize": True, "do_rescale": True,
+    "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711], "resample": 3, "do_convert_rgb": True,
+}
 # CLIP's preprocessing at the tiny tower's 32-pixel input (resized, centre-cropped, normalized).
 _LLAVA_IMAGE_PROCESSOR = {
     "image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 32},
@@ -217,7 +249,8 @@ class _Flavor:
 
 
 _FLAVORS = {"pagedserve-tiny-gpt-oss": _Flavor(HARMONY_TEMPLATE, HARMONY_TOKENS),
-            "pagedserve-tiny-llava": _Flavor(LLAVA_TEMPLATE, ("<image>",), _LLAVA_IMAGE_PROCESSOR)}
+            "pagedserve-tiny-llava": _Flavor(LLAVA_TEMPLATE, ("<image>",), _LLAVA_IMAGE_PROCESSOR),
+            "pagedserve-tiny-qwen2.5-vl": _Flavor(QWEN_VL_TEMPLATE, QWEN_VL_TOKENS, _QWEN_VL_IMAGE_PROCESSOR)}
 _TOKENIZER_CONFIG = {
     "tokenizer_class": "LlamaTokenizer",
     "bos_token": "<s>",
@@ -235,7 +268,8 @@ _FORMAT_VERSION = 1  # bump when the files written below change
 _WEIGHT_SEEDS = {"pagedserve-tiny": 0x24A9A3D7, "pagedserve-56m": 0x7BED96D1, "pagedserve-600m": 0x600D5EED,
                  "pagedserve-tiny-moe": 0x5E1F0C2B, "pagedserve-56m-moe": 0x3A7C94E5,
                  "pagedserve-tiny-gemma3": 0x6E3A3001, "pagedserve-tiny-deepseek-v3": 0xD5EE3003,
-                 "pagedserve-tiny-gpt-oss": 0x6F550004, "pagedserve-tiny-llava": 0x11A7A005}
+                 "pagedserve-tiny-gpt-oss": 0x6F550004, "pagedserve-tiny-llava": 0x11A7A005,
+                 "pagedserve-tiny-qwen2.5-vl": 0x9E2A5006}
 
 
 def cache_root() -> Path:

@@ -34,7 +34,12 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     # engine/models/llava.py: a CLIP vision tower and a projector in front of any of the dense language
     # models above (text_config); what differs is the language model's.
     "LlavaForConditionalGeneration": {},
+    # engine/models/qwen2_vl.py: Qwen's vision transformer and patch merger in front of a Qwen2 language model
+    # whose rotary positions are three-dimensional (M-RoPE).
+    "Qwen2VLForConditionalGeneration": {},
+    "Qwen2_5_VLForConditionalGeneration": {},
 }
+_QWEN_VL = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"})
 # A LLaVA checkpoint's language model, by its text_config's model_type.
 _LLAVA_LANGUAGE_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # Where each MoE architecture's config.json counts its experts: transformers 5 writes `num_local_experts`
@@ -196,7 +201,12 @@ class ModelConfig:
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek)
     # DeepSeek-V3's multi-token prediction layers, stored after the decoder's (engine/models/deepseek_mtp.py)
     num_mtp_layers: int = 0
-    vision: VisionConfig | None = None  # a vision-language model's image side (engine/models/llava.py)
+    # A vision-language model's image side: LLaVA's CLIP tower (engine/models/llava.py) or Qwen's
+    # (engine/models/qwen2_vl.py).
+    vision: VisionConfig | QwenVisionConfig | None = None
+    # M-RoPE (Qwen-VL): the rotary frequencies split into sections that rotate by the temporal, height and
+    # width position of a token in turn; a text token's three positions are equal.
+    mrope_section: tuple[int, ...] | None = None
 
     def sliding_window_of(self, layer: int) -> int | None:
         """The window layer `layer` attends over (the last this-many positions, its own included), or None."""
@@ -208,9 +218,11 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        if "LlavaForConditionalGeneration" in (raw.get("architectures") or []):
-            return _llava(raw)
         archs = raw.get("architectures") or []
+        if "LlavaForConditionalGeneration" in archs:
+            return _llava(raw)
+        if _QWEN_VL & set(archs):
+            return _qwen_vl(raw, next(a for a in archs if a in _QWEN_VL))
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
@@ -301,11 +313,76 @@ class VisionConfig:
         patches = (self.image_size // self.patch_size) ** 2
         return patches + (self.select_strategy == "full")
 
+    def tokens_for(self, grid_thw: tuple[int, int, int] | None) -> int:
+        """Placeholder tokens of an image: CLIP sees every image at one size."""
+        return self.tokens_per_image
+
     @property
     def num_layers_run(self) -> int:
         """Encoder layers the features need: up to the deepest selected hidden state."""
         n = self.num_hidden_layers
         return max(i if i >= 0 else n + 1 + i for i in self.feature_layers)
+
+
+@dataclass(frozen=True)
+class QwenVisionConfig:
+    """Qwen2-VL's and Qwen2.5-VL's vision transformer: 3-D patches (temporal x spatial), 2-D rotary positions,
+    full attention within each image (Qwen2.5-VL: within windows, except in the full-attention blocks), and a
+    patch merger folding each spatial_merge_size x spatial_merge_size square into one embedding."""
+
+    gated_mlp: bool  # Qwen2.5-VL: RMSNorm and a gated MLP (gate/up/down); Qwen2-VL: LayerNorm and fc1/fc2
+    hidden_size: int
+    intermediate_size: int
+    depth: int
+    num_heads: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    out_hidden_size: int  # the language model's hidden size
+    hidden_act: str
+    rope_theta: float
+    window_size: int  # in pixels; 0: no window attention (Qwen2-VL)
+    fullatt_block_indexes: tuple[int, ...]
+    image_token_id: int
+
+    def tokens_for(self, grid_thw: tuple[int, int, int]) -> int:
+        """Placeholder tokens of an image of this patch grid: one per merged square."""
+        t, h, w = grid_thw
+        return t * h * w // self.spatial_merge_size**2
+
+
+def _qwen_vl(raw: dict[str, Any], arch: str) -> ModelConfig:
+    """Released checkpoints keep the language model's keys at the top level; transformers 5 nests them in
+    text_config. The rope's mrope_section is kept apart; the rest is a Qwen2 language model's."""
+    vision = dict(raw.get("vision_config") or {})
+    text = {k: v for k, v in raw.items() if k not in ("vision_config", "text_config")}
+    text |= raw.get("text_config") or {}
+    rope = dict(text.pop("rope_parameters", None) or text.pop("rope_scaling", None) or {})
+    text.pop("rope_scaling", None)
+    section = rope.pop("mrope_section", None)
+    if rope.pop("type", None) == "mrope" or rope.get("rope_type") == "mrope":
+        rope["rope_type"] = "default"
+    language = ModelConfig.from_dict({**text, "rope_parameters": rope, "architectures": ["Qwen2ForCausalLM"]})
+    if section is None or 2 * sum(section) != language.head_dim:
+        raise ValueError(f"model: {arch} needs rope mrope_section summing to head_dim / 2 = {language.head_dim // 2}; "
+                         f"the config has {section}")
+    qwen2_5 = arch == "Qwen2_5_VLForConditionalGeneration"
+    width = vision.get("hidden_size" if qwen2_5 else "embed_dim", 1280)
+    vision_rope = vision.get("rope_parameters") or {}
+    return dataclasses.replace(language, architecture=arch, mrope_section=tuple(section), vision=QwenVisionConfig(
+        gated_mlp=qwen2_5, hidden_size=width,
+        intermediate_size=vision.get("intermediate_size", 3420) if qwen2_5 else width * vision.get("mlp_ratio", 4),
+        depth=vision.get("depth", 32), num_heads=vision.get("num_heads", 16),
+        patch_size=vision.get("patch_size", 14), temporal_patch_size=vision.get("temporal_patch_size", 2),
+        spatial_merge_size=vision.get("spatial_merge_size", 2),
+        in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
+        out_hidden_size=vision.get("out_hidden_size" if qwen2_5 else "hidden_size", language.hidden_size),
+        hidden_act=vision.get("hidden_act", "silu" if qwen2_5 else "quick_gelu"),
+        rope_theta=float(vision_rope.get("rope_theta", 10000.0)),
+        window_size=vision.get("window_size", 112) if qwen2_5 else 0,
+        fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))) if qwen2_5 else (),
+        image_token_id=raw.get("image_token_id", text.get("image_token_id", 151655))))
 
 
 def _llava(raw: dict[str, Any]) -> ModelConfig:

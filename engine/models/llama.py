@@ -20,6 +20,7 @@ from engine.models.checkpoint import CheckpointTensor
 from engine.models.config import ModelConfig
 from engine.models.layers import (
     MergedColumnParallelLinear,
+    MRotaryEmbedding,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
@@ -132,8 +133,10 @@ class LlamaModel(nn.Module):
         self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
         self.start_layer, self.end_layer = pp_layer_range(cfg.num_hidden_layers, pp.rank_in_group, pp.size)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if pp.is_first else None
-        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-                               cfg.rope_interleaved)
+        rope = (MRotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                 cfg.mrope_section) if cfg.mrope_section else
+                RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                cfg.rope_interleaved))
         local_rope = rope
         if cfg.local_rope_theta is not None:  # Gemma 3's sliding layers rotate with a base of their own
             local_rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta,

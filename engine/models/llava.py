@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import torch
 from torch import nn
 
 from engine.models.config import ModelConfig
 from engine.models.layers.quantization import QuantizationConfig
-from engine.models.llama import LlamaForCausalLM, checkpoint_shapes
+from engine.models.llama import checkpoint_shapes
 from engine.models.vision.clip import ACTIVATIONS, CLIPVisionTower
-from ops.attention import AttentionBackend
+from engine.models.vision_language import VisionLanguageModel
+from engine.multimodal.inputs import MultiModalInput
 
 _LANGUAGE = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")
 _HEAD = re.compile(r"^(?:language_model\.)?lm_head\.")
@@ -38,7 +40,7 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(LlamaForCausalLM):
+class LlavaForConditionalGeneration(VisionLanguageModel):
     def __init__(self, cfg: ModelConfig, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__(cfg, quant_config)
         # Whole on every rank and in float32-or-model dtype: small next to the language model.
@@ -46,19 +48,11 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         self.multi_modal_projector = LlavaProjector(cfg)
 
     @torch.inference_mode()
-    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[images, C, H, W] -> [images, tokens_per_image, hidden]: what replaces each image's placeholders."""
-        return self.multi_modal_projector(self.vision_tower(pixel_values))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
-                intermediate=None, mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """`mm_embeds`: (token rows, their embeddings) of the image placeholders this step computes."""
-        embeds = None
-        if mm_embeds is not None and self.model.is_first_stage:
-            rows, values = mm_embeds
-            embeds = self.model.embed(input_ids)
-            embeds[rows] = values.to(embeds.dtype)
-        return self.model(input_ids, positions, backend, intermediate, inputs_embeds=embeds)
+    def embed_images(self, images: list[MultiModalInput]) -> list[torch.Tensor]:
+        """Images of one size ([C, H, W] each, as CLIP's processor makes them): encoded as one batch."""
+        pixels = torch.from_numpy(np.stack([image.pixel_values for image in images]))
+        pixels = pixels.to(self.multi_modal_projector.linear_1.weight.device)
+        return list(self.multi_modal_projector(self.vision_tower(pixels)))
 
     def checkpoint_to_param(self, name: str) -> tuple[str, int | None] | None:
         if _VISION.match(name):

@@ -9,6 +9,7 @@ from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llava import LlavaForConditionalGeneration
 from engine.models.moe import MoEForCausalLM
+from engine.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
 MTP_ARCHITECTURE = "DeepseekMTP"
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -25,6 +26,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     # Draft models only: a checkpoint's multi-token prediction layer (speculative_config method "mtp").
     MTP_ARCHITECTURE: DeepseekMTP,
 }

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.models.config import VisionConfig
+from engine.models.config import QwenVisionConfig, VisionConfig
 from engine.multimodal.inputs import MultiModalInput
 
 
@@ -35,8 +35,9 @@ def image_processor(model_path: str):
         raise ValueError(f"multi_modal_data: the checkpoint at {model_path} has no image processor: {e}") from e
 
 
-def expand_images(token_ids: list[int], images: list, vision: VisionConfig, model_path: str | Path,
-                  processor_kwargs: dict | None = None) -> tuple[list[int], list[MultiModalInput]]:
+def expand_images(token_ids: list[int], images: list, vision: VisionConfig | QwenVisionConfig,
+                  model_path: str | Path, processor_kwargs: dict | None = None
+                  ) -> tuple[list[int], list[MultiModalInput]]:
     """The prompt with each image's placeholder token expanded to its embeddings' count (a prompt already
     holding every image's whole run is kept), and the images as MultiModalInputs at their offsets. Raises
     ValueError naming the field."""
@@ -45,31 +46,46 @@ def expand_images(token_ids: list[int], images: list, vision: VisionConfig, mode
     for i, image in enumerate(images):
         if not isinstance(image, Image.Image):
             raise ValueError(f"multi_modal_data: image {i} is a {type(image).__name__}, not a PIL image")
-    token, n = vision.image_token_id, vision.tokens_per_image
+    token = vision.image_token_id
     positions = [i for i, t in enumerate(token_ids) if t == token]
-    if len(positions) == len(images) * n and n > 1:
-        spans = [(positions[k * n], n) for k in range(len(images))]  # already expanded: each image's run kept
-        if any(positions[k * n + n - 1] != positions[k * n] + n - 1 for k in range(len(images))):
-            raise ValueError(f"prompt: an expanded image placeholder must be {n} tokens (id {token}) in a row")
-    elif len(positions) == len(images):
+    if not images:
+        if positions:
+            raise ValueError(f"multi_modal_data: 0 images for {len(positions)} image placeholder tokens (id {token}) "
+                             "in the prompt; give one image per placeholder")
+        return token_ids, []
+    kwargs = dict(processor_kwargs or {})
+    pixels, grids = _process(images, model_path, kwargs)
+    counts = [vision.tokens_for(grid) for grid in grids]
+    if len(positions) == len(images):
         spans = [(p, 1) for p in positions]  # one placeholder an image, as a chat template writes them
+    elif len(positions) == sum(counts) and max(counts) > 1:  # already expanded: each image's run kept
+        firsts = np.cumsum([0, *counts[:-1]])
+        spans = [(positions[k], n) for k, n in zip(firsts, counts)]
+        if any(positions[k + n - 1] != positions[k] + n - 1 for k, n in zip(firsts, counts)):
+            raise ValueError(f"prompt: an expanded image placeholder must be its image's {counts} tokens "
+                             f"(id {token}) in a row")
     else:
         raise ValueError(f"multi_modal_data: {len(images)} images for {len(positions)} image placeholder tokens "
                          f"(id {token}) in the prompt; give one image per placeholder")
-    if not images:
-        return token_ids, []
-    kwargs = dict(processor_kwargs or {})
-    try:
-        pixels = image_processor(str(model_path))([im.convert("RGB") for im in images], return_tensors="np",
-                                                  **kwargs)["pixel_values"]
-    except Exception as e:  # the processor's own complaints about an image (sizes, modes)
-        raise ValueError(f"multi_modal_data: the image processor rejected an image: {e}") from e
     expanded, inputs, last = [], [], 0
-    for (start, length), image, values in zip(spans, images, pixels):
+    for (start, length), image, values, grid, n in zip(spans, images, pixels, grids, counts):
         expanded.extend(token_ids[last:start])
         inputs.append(MultiModalInput(content_hash(image, kwargs), len(expanded), n,
-                                      np.ascontiguousarray(values, dtype=np.float32)))
+                                      np.ascontiguousarray(values, dtype=np.float32), grid))
         expanded.extend([token] * n)
         last = start + length
     expanded.extend(token_ids[last:])
     return expanded, inputs
+
+
+def _process(images: list, model_path: str | Path, kwargs: dict) -> tuple[list[np.ndarray], list]:
+    """Each image's pixel values and patch grid (None where the processor makes one size, as CLIP's)."""
+    try:
+        out = image_processor(str(model_path))([im.convert("RGB") for im in images], return_tensors="np", **kwargs)
+    except Exception as e:  # the processor's own complaints about an image (sizes, modes)
+        raise ValueError(f"multi_modal_data: the image processor rejected an image: {e}") from e
+    if "image_grid_thw" not in out:
+        return list(out["pixel_values"]), [None] * len(images)
+    grids = [tuple(int(x) for x in grid) for grid in out["image_grid_thw"]]
+    ends = np.cumsum([t * h * w for t, h, w in grids])
+    return np.split(out["pixel_values"], ends[:-1]), grids

@@ -15,7 +15,10 @@ class MultiModalInput:
     content_hash: str  # over the decoded pixels and the processor's settings (engine/multimodal/images.py)
     offset: int  # its first placeholder token in the prompt
     length: int  # placeholder tokens: the embeddings the vision tower gives it
-    pixel_values: np.ndarray  # float32 [channels, height, width], as the processor made it
+    # float32, as the processor made it: [channels, height, width] (CLIP), or the flattened patches
+    # [patches, channels x temporal_patch x patch^2] of a patch grid (Qwen-VL)
+    pixel_values: np.ndarray
+    grid_thw: tuple[int, int, int] | None = None  # Qwen-VL: the patch grid (temporal, height, width)
 
     @property
     def end(self) -> int:

@@ -346,6 +346,7 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
     root: str | None = None  # a LoRA adapter's folder
     parent: str | None = None  # a LoRA adapter's base model
+    input_modalities: list[str] = ["text"]  # ["text", "image"] for a vision-language model
 
 
 class ModelList(BaseModel):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.models.layers.norm import rms_norm as torch_rms_norm
-from engine.models.layers.rotary import RotaryEmbedding, _rotate
+from engine.models.layers.rotary import RotaryEmbedding, rotate_neox
 from ops.cpu import elementwise, missing_toolchain
 
 # Only where nothing can compile: with a toolchain, a kernel that fails to build fails these tests.
@@ -47,8 +47,8 @@ def test_rotary_on_a_view_of_the_fused_qkv(dtype, tokens):
     positions = torch.randint(0, 4096, (tokens,))
     cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
     got_q, got_k = rope(positions, q, k)
-    torch.testing.assert_close(got_q, _rotate(q, cos, sin), **TOLERANCE[dtype])
-    torch.testing.assert_close(got_k, _rotate(k, cos, sin), **TOLERANCE[dtype])
+    torch.testing.assert_close(got_q, rotate_neox(q, cos, sin), **TOLERANCE[dtype])
+    torch.testing.assert_close(got_k, rotate_neox(k, cos, sin), **TOLERANCE[dtype])
 
 
 def test_rotary_refuses_a_position_outside_its_tables():

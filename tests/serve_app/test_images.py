@@ -1,6 +1,7 @@
-"""Images over the OpenAI chat route, through the `openai` SDK, against an app serving a LLaVA checkpoint:
-data URLs and fetched URLs give the tokens the offline engine gives; every bad image is a 400 naming the
-part; a text-only model refuses images with a 400."""
+"""Images over the OpenAI chat and Anthropic messages routes, through the `openai` and `anthropic` SDKs,
+against an app serving a Qwen2.5-VL checkpoint (M-RoPE positions and image grids cross into the engine's
+process): data URLs, fetched URLs and base64 blocks give the tokens the offline engine gives; the model card
+says it takes images; every bad image is a 400 naming the part; a text-only model refuses images with a 400."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import io
 import threading
 import time
 
+import anthropic
 import numpy as np
 import openai
 import pytest
@@ -64,16 +66,16 @@ def image_server():
 
 
 @pytest.fixture(scope="module")
-def llava_app(deploy_app, llava_checkpoint) -> str:
-    return deploy_app("llava", "/llava", model=str(llava_checkpoint), num_replicas=1,
+def vlm_app(deploy_app, qwen2_5_vl_checkpoint) -> str:
+    return deploy_app("vlm", "/vlm", model=str(qwen2_5_vl_checkpoint), num_replicas=1,
                       engine={"max_model_len": 512, "num_kv_blocks": 128, "num_threads": 1,
                               "limit_mm_per_prompt": {"image": 2}},
                       allowed_media_domains=["127.0.0.1"], media_fetch_timeout_s=1.0, max_media_bytes=PNG_SIZE_LIMIT)
 
 
 @pytest.fixture(scope="module")
-def client(llava_app) -> openai.OpenAI:
-    return openai.OpenAI(base_url=llava_app + "/v1", api_key="unused", max_retries=0, timeout=60)
+def client(vlm_app) -> openai.OpenAI:
+    return openai.OpenAI(base_url=vlm_app + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def _chat(client, *urls: str, text: str = "What is in"):
@@ -83,25 +85,38 @@ def _chat(client, *urls: str, text: str = "What is in"):
                                           extra_body={"ignore_eos": True})
 
 
-def _offline_text(llava_checkpoint, *pngs: bytes, text: str = "What is in") -> str:
-    config = EngineConfig(model=str(llava_checkpoint), max_model_len=512, num_kv_blocks=128)
+def _offline_text(qwen2_5_vl_checkpoint, *pngs: bytes, text: str = "What is in") -> str:
+    config = EngineConfig(model=str(qwen2_5_vl_checkpoint), max_model_len=512, num_kv_blocks=128)
     processor = InputProcessor.from_config(config)
     ids = processor.apply_chat_template(
         [{"role": "user", "content": [{"type": "text", "text": text}] + [{"type": "image"}] * len(pngs)}])
     images = [Image.open(io.BytesIO(p)) for p in pngs]
-    llm = LLM(str(llava_checkpoint), max_model_len=512, num_kv_blocks=128)
+    llm = LLM(str(qwen2_5_vl_checkpoint), max_model_len=512, num_kv_blocks=128)
     out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}],
                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
     return out.outputs[0].text
 
 
-def test_data_and_fetched_urls_give_the_offline_tokens(client, image_server, llava_checkpoint):
-    expected = _offline_text(llava_checkpoint, SMALL, OTHER)
+def test_data_and_fetched_urls_give_the_offline_tokens(client, image_server, qwen2_5_vl_checkpoint):
+    expected = _offline_text(qwen2_5_vl_checkpoint, SMALL, OTHER)
     by_data = _chat(client, _data_url(SMALL), _data_url(OTHER))
     assert by_data.choices[0].message.content == expected
-    assert by_data.usage.prompt_tokens > 32  # each image's 16 placeholders are in the prompt
+    assert by_data.usage.prompt_tokens > 8 + 6  # each image's placeholders (4 x 4 and 4 x 2 squares) are in it
     by_url = _chat(client, image_server + "/small.png", _data_url(OTHER))  # the same pixels: the same tokens
     assert by_url.choices[0].message.content == expected
+    assert client.models.list().data[0].model_extra["input_modalities"] == ["text", "image"]
+
+
+def test_anthropic_base64_blocks_give_the_offline_tokens(vlm_app, client, qwen2_5_vl_checkpoint):
+    expected = _offline_text(qwen2_5_vl_checkpoint, SMALL, OTHER)
+    claude = anthropic.Anthropic(base_url=vlm_app, api_key="unused", max_retries=0, timeout=60)
+    blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                           "data": base64.b64encode(png).decode()}} for png in (SMALL, OTHER)]
+    content = [{"type": "text", "text": "What is in"}, *blocks]
+    reply = claude.messages.create(model=client.models.list().data[0].id, max_tokens=6,
+                                   messages=[{"role": "user", "content": content}],
+                                   extra_body={"temperature": 0, "ignore_eos": True})
+    assert reply.content[0].text == expected
 
 
 @pytest.mark.parametrize("url, message", [

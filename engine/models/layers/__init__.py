@@ -10,7 +10,7 @@ from engine.models.layers.linear import (
     RowParallelLinear,
 )
 from engine.models.layers.norm import RMSNorm
-from engine.models.layers.rotary import RotaryEmbedding
+from engine.models.layers.rotary import MRotaryEmbedding, RotaryEmbedding
 from engine.models.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
 __all__ = [
@@ -24,4 +24,5 @@ __all__ = [
     "ParallelLMHead",
     "RMSNorm",
     "RotaryEmbedding",
+    "MRotaryEmbedding",
 ]

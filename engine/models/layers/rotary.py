@@ -97,10 +97,30 @@ class RotaryEmbedding(nn.Module):
                     elementwise.rotary_neox(k, positions, self.cos, self.sin))
         cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return rotate_neox(q, cos, sin), rotate_neox(k, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+class MRotaryEmbedding(RotaryEmbedding):
+    """Qwen-VL's M-RoPE: `positions` [3, tokens] (temporal, height, width); the first section of the rotary
+    frequencies turns by the temporal position, the next by the height, the last by the width. Given 1-D
+    positions (a step with no image in any of its requests), the three are equal: plain rotary."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None,
+                 section: tuple[int, ...]) -> None:
+        super().__init__(head_dim, max_position, theta, scaling)
+        axis = [i % 3 for i, size in enumerate(section) for _ in range(size)]  # [head_dim / 2]: 0, 1 or 2
+        self.register_buffer("axis", torch.tensor(axis, device=self.cos.device), persistent=False)
+        self.register_buffer("freq", torch.arange(len(axis), device=self.cos.device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().forward(positions, q, k)
+        index = positions[self.axis].T  # [tokens, head_dim / 2]: each frequency's position of each token
+        cos, sin = self.cos[index, self.freq].unsqueeze(1), self.sin[index, self.freq].unsqueeze(1)
+        return rotate_neox(q, cos, sin), rotate_neox(k, cos, sin)
+
+
+def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The torch path (and the reference for ops/cpu/elementwise.cpp)."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

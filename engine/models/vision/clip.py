@@ -11,7 +11,7 @@ from torch import nn
 
 from engine.models.config import VisionConfig
 
-ACTIVATIONS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,
+ACTIVATIONS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu, "silu": F.silu,
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
