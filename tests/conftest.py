@@ -191,10 +191,11 @@ LLAVA_CHAT_TEMPLATE = (
 )
 
 
-def write_llava_checkpoint(path: Path) -> Path:
-    """A random-weight LLaVA saved by transformers, with its processor: CLIP's image processor, the built-in
-    tokenizer with <image> added and LLAVA_CHAT_TEMPLATE, 4 x 4 patches of 8 pixels (16 embeddings an image,
-    the CLS dropped), a two-layer Llama behind it."""
+def write_llava_checkpoint(path: Path, tower: str = "clip") -> Path:
+    """A random-weight LLaVA saved by transformers, with its processor: the tower's image processor, the
+    built-in tokenizer with <image> added and LLAVA_CHAT_TEMPLATE, 4 x 4 patches of 8 pixels, a two-layer
+    Llama behind it. CLIP: 16 embeddings an image (its class position dropped, the "default" strategy, from
+    the second-to-last layer); SigLIP: 16 (all positions, "full", from the last layer, before its pooling head)."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessor,
@@ -203,28 +204,37 @@ def write_llava_checkpoint(path: Path) -> Path:
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
+        SiglipVisionConfig,
     )
 
     tokenizer = AutoTokenizer.from_pretrained(materialize_builtin(TINY))
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                              image_size=32, patch_size=8)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=32,
+                 patch_size=8)
+    clip = tower == "clip"
+    vision = CLIPVisionConfig(**shape) if clip else SiglipVisionConfig(**shape)
     text = LlamaConfig(vocab_size=32064, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1,
                        eos_token_id=2)
-    config = LlavaConfig(vision_config=vision, text_config=text, vision_feature_layer=-2,
+    strategy = "default" if clip else "full"
+    config = LlavaConfig(vision_config=vision, text_config=text, vision_feature_layer=-2 if clip else -1,
                          image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-                         vision_feature_select_strategy="default", projector_hidden_act="gelu")
+                         vision_feature_select_strategy=strategy, projector_hidden_act="gelu")
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(config)
     with torch.no_grad():  # perturb everything, norms and biases included, so loading each is tested
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
     model.save_pretrained(path)
-    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8, num_additional_image_tokens=1,
-                   vision_feature_select_strategy="default", chat_template=LLAVA_CHAT_TEMPLATE).save_pretrained(path)
+    if clip:
+        images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    else:
+        from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+        images = SiglipImageProcessorPil(size={"height": 32, "width": 32})
+    LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8, num_additional_image_tokens=int(clip),
+                   vision_feature_select_strategy=strategy, chat_template=LLAVA_CHAT_TEMPLATE).save_pretrained(path)
     return path
 
 

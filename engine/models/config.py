@@ -290,8 +290,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """A LLaVA checkpoint's vision tower (CLIP's ViT), the hidden states its features come from, and the
-    projector that maps them into the language model's embeddings."""
+    """A LLaVA checkpoint's vision tower (CLIP's or SigLIP's ViT), the hidden states its features come from,
+    and the projector that maps them into the language model's embeddings."""
 
     hidden_size: int
     intermediate_size: int
@@ -307,11 +307,13 @@ class VisionConfig:
     projector_hidden_act: str
     projector_bias: bool
     image_token_id: int
+    tower: str = "clip"  # "siglip": no class embedding, no pre-norm, a patch embedding with a bias
 
     @property
     def tokens_per_image(self) -> int:
-        patches = (self.image_size // self.patch_size) ** 2
-        return patches + (self.select_strategy == "full")
+        """Patches, plus CLIP's class position, less the first position under the "default" strategy."""
+        positions = (self.image_size // self.patch_size) ** 2 + (self.tower == "clip")
+        return positions - (self.select_strategy == "default")
 
     def tokens_for(self, grid_thw: tuple[int, int, int] | None) -> int:
         """Placeholder tokens of an image: CLIP sees every image at one size."""
@@ -387,9 +389,12 @@ def _qwen_vl(raw: dict[str, Any], arch: str) -> ModelConfig:
 
 def _llava(raw: dict[str, Any]) -> ModelConfig:
     vision, text = dict(raw.get("vision_config") or {}), dict(raw.get("text_config") or {})
-    if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
+    tower = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}.get(
+        vision.get("model_type", "clip_vision_model"))
+    if tower is None:
         raise ValueError(f"model: LLaVA with a {vision['model_type']!r} vision tower is not supported yet; "
-                         "CLIP (clip_vision_model) is")
+                         "CLIP (clip_vision_model) and SigLIP (siglip_vision_model) are")
+    siglip = tower == "siglip"
     text_type = text.get("model_type", "llama")
     if text_type not in _LLAVA_LANGUAGE_MODELS:
         raise ValueError(f"model: LLaVA over a {text_type!r} language model is not supported; "
@@ -400,17 +405,18 @@ def _llava(raw: dict[str, Any]) -> ModelConfig:
     layers = raw.get("vision_feature_layer", -2)
     language = ModelConfig.from_dict({**text, "architectures": [_LLAVA_LANGUAGE_MODELS[text_type]],
                                       **({"eos_token_id": raw["eos_token_id"]} if "eos_token_id" in raw else {})})
-    image_size, patch_size = vision.get("image_size", 224), vision.get("patch_size", 32)
+    image_size, patch_size = vision.get("image_size", 224), vision.get("patch_size", 16 if siglip else 32)
     return dataclasses.replace(language, architecture="LlavaForConditionalGeneration", vision=VisionConfig(
         hidden_size=vision.get("hidden_size", 768), intermediate_size=vision.get("intermediate_size", 3072),
         num_hidden_layers=vision.get("num_hidden_layers", 12),
         num_attention_heads=vision.get("num_attention_heads", 12),
         image_size=image_size, patch_size=patch_size, num_channels=vision.get("num_channels", 3),
-        layer_norm_eps=vision.get("layer_norm_eps", 1e-5), hidden_act=vision.get("hidden_act", "quick_gelu"),
+        layer_norm_eps=vision.get("layer_norm_eps", 1e-6 if siglip else 1e-5),
+        hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh" if siglip else "quick_gelu"),
         feature_layers=(layers,) if isinstance(layers, int) else tuple(layers), select_strategy=strategy,
         projector_hidden_act=raw.get("projector_hidden_act", "gelu"),
         projector_bias=raw.get("multimodal_projector_bias", True),
-        image_token_id=raw.get("image_token_id", raw.get("image_token_index", 32000))),
+        image_token_id=raw.get("image_token_id", raw.get("image_token_index", 32000)), tower=tower),
         quantization_config=raw.get("quantization_config"))
 
 

@@ -1,6 +1,6 @@
-"""LLaVA (`LlavaForConditionalGeneration`): a CLIP vision tower (engine/models/vision/clip.py) whose chosen hidden
-states a two-layer projector maps into the language model's embedding space, in place of each image's
-placeholder tokens; the language model is one of our dense decoders (text_config), unchanged.
+"""LLaVA (`LlavaForConditionalGeneration`): a CLIP or SigLIP vision tower (engine/models/vision/clip.py) whose
+chosen hidden states a two-layer projector maps into the language model's embedding space, in place of each
+image's placeholder tokens; the language model is one of our dense decoders (text_config), unchanged.
 
 Checkpoints name the parts `language_model.model.*` / `language_model.lm_head.*` (the released layout) or
 `model.language_model.*` / `lm_head.*` (transformers 5's own), and the tower `vision_tower.vision_model.*` or
@@ -57,7 +57,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
     def checkpoint_to_param(self, name: str) -> tuple[str, int | None] | None:
         if _VISION.match(name):
             local = _VISION.sub("", name)
-            if local.startswith("post_layernorm."):
+            if local.startswith(("post_layernorm.", "head.")):  # SigLIP's pooling head: features come before it
                 return None
             layer = re.match(r"encoder\.layers\.(\d+)\.", local)
             if layer and int(layer[1]) >= self.config.vision.num_layers_run:
@@ -74,11 +74,15 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         v, h = cfg.vision, cfg.hidden_size
         shapes = {("language_model." + k if k.startswith(("model.", "lm_head.")) else k): s
                   for k, s in checkpoint_shapes(cfg).items()}
-        t = "vision_tower.vision_model."
-        shapes |= {t + "embeddings.class_embedding": (v.hidden_size,),
-                   t + "embeddings.patch_embedding.weight": (v.hidden_size, v.num_channels, v.patch_size, v.patch_size),
-                   t + "embeddings.position_embedding.weight": ((v.image_size // v.patch_size) ** 2 + 1, v.hidden_size),
-                   t + "pre_layrnorm.weight": (v.hidden_size,), t + "pre_layrnorm.bias": (v.hidden_size,)}
+        t, clip = "vision_tower.vision_model.", v.tower == "clip"
+        shapes |= {t + "embeddings.patch_embedding.weight": (v.hidden_size, v.num_channels, v.patch_size, v.patch_size),
+                   t + "embeddings.position_embedding.weight": ((v.image_size // v.patch_size) ** 2 + clip,
+                                                                v.hidden_size)}
+        if clip:
+            shapes |= {t + "embeddings.class_embedding": (v.hidden_size,),
+                       t + "pre_layrnorm.weight": (v.hidden_size,), t + "pre_layrnorm.bias": (v.hidden_size,)}
+        else:
+            shapes[t + "embeddings.patch_embedding.bias"] = (v.hidden_size,)
         for i in range(v.num_hidden_layers):
             p = f"{t}encoder.layers.{i}."
             for norm in ("layer_norm1", "layer_norm2"):

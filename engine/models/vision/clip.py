@@ -1,5 +1,6 @@
 """CLIP's vision transformer (LLaVA's tower): patches by a strided convolution, a class embedding and learned
-positions, pre-norm encoder layers with full attention over an image's positions. Images are few and short
+positions, pre-norm encoder layers with full attention over an image's positions. SigLIP's is the same
+transformer without the class embedding and the pre-norm, its patch convolution with a bias. Images are few and short
 (hundreds of positions), so it runs in plain torch on every rank, replicated under tensor parallelism; only
 the layers up to the deepest hidden state the features take are built and run."""
 
@@ -49,11 +50,14 @@ class CLIPVisionTower(nn.Module):
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
+        self.clip = cfg.tower == "clip"
         self.embeddings = nn.Module()
-        self.embeddings.class_embedding = nn.Parameter(torch.empty(h))
-        self.embeddings.patch_embedding = nn.Conv2d(cfg.num_channels, h, cfg.patch_size, cfg.patch_size, bias=False)
-        self.embeddings.position_embedding = nn.Embedding((cfg.image_size // cfg.patch_size) ** 2 + 1, h)
-        self.pre_layrnorm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)  # sic: CLIP's checkpoint name
+        self.embeddings.patch_embedding = nn.Conv2d(cfg.num_channels, h, cfg.patch_size, cfg.patch_size,
+                                                    bias=not self.clip)
+        self.embeddings.position_embedding = nn.Embedding((cfg.image_size // cfg.patch_size) ** 2 + self.clip, h)
+        if self.clip:
+            self.embeddings.class_embedding = nn.Parameter(torch.empty(h))
+            self.pre_layrnorm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)  # sic: CLIP's checkpoint name
         self.encoder = nn.Module()
         self.encoder.layers = nn.ModuleList(CLIPEncoderLayer(cfg) for _ in range(cfg.num_layers_run))
 
@@ -61,11 +65,14 @@ class CLIPVisionTower(nn.Module):
         """[images, C, H, W] -> the selected hidden states, [images, tokens_per_image, hidden x layers]."""
         cfg, emb = self.cfg, self.embeddings
         patches = emb.patch_embedding(pixel_values.to(emb.patch_embedding.weight.dtype)).flatten(2).transpose(1, 2)
-        x = torch.cat([emb.class_embedding.expand(patches.shape[0], 1, -1), patches], dim=1)
-        x = self.pre_layrnorm(x + emb.position_embedding.weight)
+        if self.clip:
+            x = torch.cat([emb.class_embedding.expand(patches.shape[0], 1, -1), patches], dim=1)
+            x = self.pre_layrnorm(x + emb.position_embedding.weight)
+        else:
+            x = patches + emb.position_embedding.weight
         hidden = [x]
         for layer in self.encoder.layers:
             hidden.append(layer(hidden[-1]))
         n = cfg.num_hidden_layers
         features = torch.cat([hidden[i if i >= 0 else n + 1 + i] for i in cfg.feature_layers], dim=-1)
-        return features[:, 1:] if cfg.select_strategy == "default" else features
+        return features[:, 1:] if cfg.select_strategy == "default" else features  # CLIP's class position first

@@ -70,6 +70,24 @@ def test_greedy_tokens_and_logprobs_equal_hugging_face(llava, references, mode):
             assert abs(entry[token].logprob - float(logprobs[i][token])) < 1e-4, name
 
 
+def test_siglip_tower_equals_hugging_face(tmp_path):
+    """LLaVA over SigLIP (llava-interleave's tower): no class position or pre-norm, the last layer's states
+    before the pooling head, every position kept."""
+    from tests.conftest import write_llava_checkpoint
+
+    path = write_llava_checkpoint(tmp_path, tower="siglip")
+    cases = {name: CASES[name] for name in ("two sizes", "text only")}
+    llm = LLM(str(path), dtype="float32", max_model_len=512, num_kv_blocks=256)
+    outputs = llm.generate([{"prompt": p, "multi_modal_data": {"image": i}} for p, i in cases.values()], GREEDY,
+                           use_tqdm=False)
+    for (prompt, images), out in zip(cases.values(), outputs):
+        prompt_ids, tokens, logprobs = _hf(path, prompt, images)
+        assert out.prompt_token_ids == prompt_ids
+        tie = assert_tokens_match(out.outputs[0].token_ids, tokens, logprobs, what=prompt)
+        for i, (token, entry) in enumerate(zip(out.outputs[0].token_ids[:tie], out.outputs[0].logprobs)):
+            assert abs(entry[token].logprob - float(logprobs[i][token])) < 1e-4, prompt
+
+
 def test_prefix_cache_keys_blocks_by_their_images(llava):
     llm = LLM(str(llava), dtype="float32", max_model_len=512, num_kv_blocks=256, block_size=4)
     prompt = "Look: <image> and tell me what it shows."
