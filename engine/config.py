@@ -61,6 +61,11 @@ class EngineConfig(BaseModel):
     mm_encoder_cache_gb: float = Field(
         0.5, gt=0, description="Memory for image embeddings kept between steps and requests (the encoder cache)."
     )
+    max_num_encoder_input_tokens: int | None = Field(
+        None, ge=1, description="Image embeddings the vision encoder computes in one step (vLLM's): a prompt's "
+        "chunk stops before an image past it, so that a burst of images does not stall every decode. Default "
+        "max_num_batched_tokens; an image larger than it is encoded alone in its step."
+    )
     max_num_batched_tokens: int | None = Field(
         None,
         ge=1,

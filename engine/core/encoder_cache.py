@@ -21,6 +21,9 @@ class EncoderCache:
         self.num_encoded = 0  # images encoded since start
         self.num_hits = 0  # images a step read from the cache instead
 
+    def holds(self, content_hash: str) -> bool:
+        return content_hash in self._held
+
     @property
     def used_bytes(self) -> int:
         return sum(self._held.values())

@@ -19,10 +19,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.core.encoder_cache import EncoderCache
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.kv_transfer.base import KVConnector
 from engine.lora.manager import LoRAManager
+from engine.multimodal.inputs import MultiModalInput
 from engine.spec_decode.eligibility import can_draft
 
 
@@ -114,7 +116,11 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         connector: KVConnector | None = None,
         lora_manager: LoRAManager | None = None,
+        encoder_cache: EncoderCache | None = None,
+        encoder_budget: int = 0,
     ) -> None:
+        """`encoder_cache`, `encoder_budget`: a vision-language model's images held, and the embeddings its
+        encoder may compute in one step (EngineConfig.max_num_encoder_input_tokens)."""
         self.kv_cache_manager = kv_cache_manager
         self.connector = connector  # disaggregated prefill/decode: KV loaded from, or held for, another engine
         self.max_num_seqs = max_num_seqs
@@ -124,6 +130,8 @@ class Scheduler:
         self.policy = policy
         self.num_speculative_tokens = num_speculative_tokens  # 0: no speculative decoding
         self.lora_manager = lora_manager
+        self.encoder_cache, self.encoder_budget = encoder_cache, encoder_budget
+        self._encoder_left, self._encoding = encoder_budget, set()  # this step's: budget left, images encoded
         self.waiting = _PriorityQueue() if policy == "priority" else _FCFSQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -164,6 +172,7 @@ class Scheduler:
         self._released = []
         budget = self.max_num_batched_tokens
         kv = self.kv_cache_manager
+        self._encoder_left, self._encoding = self.encoder_budget, set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -172,6 +181,11 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.mm_inputs:
+                num_new = self._fit_encoder_budget(request, request.num_computed_tokens, num_new)
+                if not num_new:
+                    i += 1
+                    continue
             # Slots for draft tokens, filled by the proposer before the forward. They never cost another
             # request its blocks: without room for them the request decodes plainly.
             num_drafts = self._num_draft_slots(request, num_new, budget)
@@ -216,6 +230,12 @@ class Scheduler:
                 self._release_lora(request)
                 break
             num_new = min(remaining, budget)
+            if request.mm_inputs:
+                fitted = self._fit_encoder_budget(request, num_hit + num_external, num_new)
+                if not fitted or (fitted < num_new and not self.enable_chunked_prefill):
+                    self._release_lora(request)
+                    break
+                num_new = fitted
             if not kv.allocate_slots(request, num_external + num_new, hit_blocks):
                 self._release_lora(request)
                 break
@@ -238,6 +258,29 @@ class Scheduler:
             self.waiting.prepend(request)
         self.in_flight.update(r.request_id for r in out.requests)
         return out
+
+    def _fit_encoder_budget(self, request: Request, start: int, num_new: int) -> int:
+        """`num_new` tokens from `start`, cut before the first image among them whose encoding the step's
+        encoder budget cannot afford (0: not even the tokens before it); the images kept are charged. An image
+        larger than the whole budget goes when nothing else was encoded in the step, so that it always goes."""
+        if self.encoder_cache is None:
+            return num_new
+        charged: list[MultiModalInput] = []
+        left = self._encoder_left
+        for image in request.mm_inputs:
+            if image.end <= start or image.offset >= start + num_new:
+                continue
+            if image.content_hash in self._encoding or self.encoder_cache.holds(image.content_hash):
+                continue
+            if image.length > left and left < self.encoder_budget:
+                num_new = max(image.offset - start, 0)
+                break
+            left -= image.length
+            charged.append(image)
+        if num_new:
+            self._encoder_left = left
+            self._encoding.update(image.content_hash for image in charged)
+        return num_new
 
     def _release_lora(self, request: Request) -> None:
         """Unpin the request's adapter slot (it stopped running, or was not admitted after all)."""

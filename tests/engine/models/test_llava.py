@@ -167,3 +167,26 @@ def test_chat_takes_image_parts(llava):
     with pytest.raises(ValueError, match=r"messages.0.content.1: fetching images from 'example.com'"):
         llm.chat([{"role": "user", "content": [{"type": "text", "text": "See"},
                                                {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}])
+
+
+def test_the_encoder_budget_spreads_images_over_steps(llava):
+    """max_num_encoder_input_tokens=16 (one image's embeddings): four prompts with four new images prefill
+    over four steps, one image encoded in each, to the tokens an unbudgeted engine gives."""
+    prompts = [{"prompt": f"Image {i}: <image> shows", "multi_modal_data": {"image": image}}
+               for i, image in enumerate([RED, WIDE, TALL, _image(4, 50, 50)])]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine = dict(dtype="float32", max_model_len=256, num_kv_blocks=128)
+    expected = [o.outputs[0].token_ids for o in LLM(str(llava), **engine).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(llava), **engine, max_num_encoder_input_tokens=16)
+    cache = llm.llm_engine.core.batch_builder.encoder_cache
+    encoded_per_step = []
+    plan = cache.plan
+
+    def recording_plan(needed):
+        encode, evict = plan(needed)
+        encoded_per_step.append(len(encode))
+        return encode, evict
+
+    cache.plan = recording_plan
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert encoded_per_step[:4] == [1, 1, 1, 1] and cache.num_encoded == 4
