@@ -61,6 +61,10 @@ class EngineConfig(BaseModel):
     mm_encoder_cache_gb: float = Field(
         0.5, gt=0, description="Memory for image embeddings kept between steps and requests (the encoder cache)."
     )
+    mm_processor_cache_gb: float = Field(
+        4.0, ge=0, description="Memory for processed images (resized, normalized) by content hash, where requests "
+        "are prepared (an ingress, or the offline LLM): an image sent again skips its processing. 0: off."
+    )
     max_num_encoder_input_tokens: int | None = Field(
         None, ge=1, description="Image embeddings the vision encoder computes in one step (vLLM's): a prompt's "
         "chunk stops before an image past it, so that a burst of images does not stall every decode. Default "

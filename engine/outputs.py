@@ -46,13 +46,15 @@ class CompletionOutput:
 @dataclass(slots=True, frozen=True)
 class StepTiming:
     """One engine step a request took part in (EngineConfig.collect_step_timings): when its model
-    execution ran (time.monotonic()), this request's scheduled tokens, and the whole batch's shape."""
+    execution ran (time.monotonic()), this request's scheduled tokens, the whole batch's shape, and the
+    encoder's share of the step where it encoded this request's images."""
 
     start_time: float
     end_time: float
     num_tokens: int
     batch_size: int
     batch_tokens: int
+    encoder_seconds: float = 0.0  # the step's time in the vision encoder, where it encoded this request's images
 
     __reduce__ = reduce_positional
 

@@ -39,6 +39,12 @@ class EngineStats:
     # layers (the load balance across experts; each token counts top_k times per layer). Under pipeline
     # parallelism, the layers of the last stage only. Empty for dense models.
     expert_tokens: tuple[int, ...] = ()
+    # Vision-language models: images in admitted prompts (images per request = over num_requests), images
+    # the encoder ran on, images a step read from the encoder cache instead, and the encoder's time.
+    mm_prompt_images: int = 0
+    mm_images_encoded: int = 0
+    mm_encoder_cache_hits: int = 0
+    mm_encoder_seconds: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

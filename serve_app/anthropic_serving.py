@@ -238,7 +238,7 @@ class AnthropicServing:
         message_id = new_message_id()
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         params = openai.sampling_params(chat, len(prompt.token_ids), req.max_tokens, None, kind, so)
-        outputs = openai._stream([openai.engine_request(message_id, prompt, params, chat)])
+        outputs = openai._stream([await openai.engine_request(message_id, prompt, params, chat)])
         try:
             item = await anext(outputs, None)
         except Exception as e:  # overload, a dead engine, a request the replica rejected

@@ -141,6 +141,8 @@ class AppArgs(BaseModel):
         None, description="A folder whose files file: image URLs may name; None: file: URLs are refused.")
     media_fetch_timeout_s: float = Field(5.0, gt=0, description="Longest an image URL's fetch may take.")
     max_media_bytes: int = Field(20 * 2**20, ge=1, description="Largest image a request may send or name (bytes).")
+    mm_preprocess_workers: int = Field(
+        4, ge=1, description="Threads of each ingress that fetch, decode, resize and hash images, off its event loop.")
     max_request_body_bytes: int = Field(
         8 * 2**20, ge=1024, description="Larger request bodies get 413 before they are parsed (default 8 MiB).")
     ray_actor_options: dict[str, Any] = Field(

@@ -51,7 +51,7 @@ class ClientFrontend:
             self.lora = LoRARegistry(args.name, self.processor.model_config, engine_config.max_lora_rank,
                                      args.lora_modules, args.lora_root)
         media = MediaSettings(tuple(args.allowed_media_domains), args.allowed_local_media_path,
-                              args.media_fetch_timeout_s, args.max_media_bytes)
+                              args.media_fetch_timeout_s, args.max_media_bytes, args.mm_preprocess_workers)
         self.openai = OpenAIServing(self.processor, args.name, engine, args.tool_call_parser, self.lora, media)
         self.anthropic = AnthropicServing(self.openai)
         self.extra_routes = [lambda app: add_routes(app, self.anthropic)]

@@ -304,6 +304,10 @@ class _RequestTrace:
             attributes={"pagedserve.step.num_tokens": step.num_tokens, "pagedserve.step.batch_size": step.batch_size,
                         "pagedserve.step.batch_tokens": step.batch_tokens},
         )
+        if step.encoder_seconds:  # the step began by encoding this request's images
+            encoder = self.server.tracer.start_span("vision_encoder", context=trace.set_span_in_context(span),
+                                                    start_time=tracing.epoch_ns(step.start_time))
+            encoder.end(end_time=tracing.epoch_ns(step.start_time + step.encoder_seconds))
         span.end(end_time=tracing.epoch_ns(step.end_time))
 
     def failed(self, error: BaseException) -> None:

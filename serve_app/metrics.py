@@ -34,6 +34,12 @@ _COUNTERS = {
     "spec_decode_num_drafts": "spec_decode_num_drafts",
     "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",
+    # Vision-language models: images per request = rate(mm_prompt_images) / rate(request_success); the
+    # encoder cache's hit rate = rate(hits) / (rate(hits) + rate(images_encoded)).
+    "mm_prompt_images": "mm_prompt_images",
+    "mm_images_encoded": "mm_images_encoded",
+    "mm_encoder_cache_hits": "mm_encoder_cache_hits",
+    "mm_encoder_seconds": "mm_encoder_seconds",
 }
 
 

@@ -10,6 +10,7 @@ import functools
 import json
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from engine.core.prepared_request import PreparedRequest
@@ -115,6 +116,9 @@ class OpenAIServing:
         self.harmony = is_harmony_template(self.tokenizer.chat_template)  # gpt-oss's channels (serve_app/harmony.py)
         self.formats = FormatValidator(processor)
         self.media = media or MediaSettings()
+        # Images are fetched, decoded and processed here, so that the prefix router sees their hashes: on
+        # threads of their own (PIL and the image processors' numpy release the GIL), never on the event loop.
+        self.media_pool = ThreadPoolExecutor(self.media.preprocess_workers, thread_name_prefix="mm-preprocess")
 
     # --- shared -------------------------------------------------------------------------------------
 
@@ -189,15 +193,21 @@ class OpenAIServing:
         except ValueError as e:
             raise from_exception(e) from e
 
-    def engine_request(self, request_id: str, prompt: _Prompt, params: SamplingParams,
-                       req: SamplingFields) -> PreparedRequest:
+    async def engine_request(self, request_id: str, prompt: _Prompt, params: SamplingParams,
+                             req: SamplingFields) -> PreparedRequest:
+        """The request prepared for an engine replica. A prompt's images are processed (resized, normalized,
+        hashed) on the preprocessing pool, off the event loop."""
         adapter = self.check_model(req.model)
+        prepare = functools.partial(
+            self.processor.prepare_request, prompt.token_ids, params, request_id, priority=req.priority,
+            cache_salt=req.cache_salt, lora_request=adapter.lora_request() if adapter is not None else None,
+            lora_digest=adapter.digest if adapter is not None else None, trace_context=tracing.inject(),
+            multi_modal_data={"image": prompt.images} if prompt.images else None)
         try:
-            return self.processor.prepare_request(
-                prompt.token_ids, params, request_id, priority=req.priority, cache_salt=req.cache_salt,
-                lora_request=adapter.lora_request() if adapter is not None else None,
-                lora_digest=adapter.digest if adapter is not None else None, trace_context=tracing.inject(),
-                multi_modal_data={"image": prompt.images} if prompt.images else None)
+            if not prompt.images:
+                return prepare()
+            with tracing.span("preprocess_images", images=len(prompt.images)):
+                return await asyncio.get_running_loop().run_in_executor(self.media_pool, prepare)
         except ValueError as e:
             raise from_exception(e) from e
 
@@ -294,7 +304,7 @@ class OpenAIServing:
             if echo_logprobs:
                 params = params.model_copy(update={"prompt_logprobs": req.logprobs})
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            requests.append(self.engine_request(rid, prompt, params, req))
+            requests.append(await self.engine_request(rid, prompt, params, req))
         if req.stream:
             return self._completion_stream(req, request_id, prompts, requests)
         return await self._completion_full(req, request_id, prompts, requests)
@@ -403,7 +413,7 @@ class OpenAIServing:
             where = next(where for url, where in sources if not isinstance(url, str))
             raise ValueError(f"{where}: image_url.url must be a string")
         with tracing.span("load_images", images=len(sources)):
-            return await asyncio.to_thread(load_images, sources, self.media)
+            return await asyncio.get_running_loop().run_in_executor(self.media_pool, load_images, sources, self.media)
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[ChatCompletionChunk]:
         self.check_model(req.model)
@@ -415,7 +425,7 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = self.sampling_params(req, len(prompt.token_ids), max_tokens, logprobs, kind, so)
-        engine_request = self.engine_request(request_id, prompt, params, req)
+        engine_request = await self.engine_request(request_id, prompt, params, req)
         if req.stream:
             return self._chat_stream(req, request_id, engine_request, plan)
         return await self._chat_full(req, request_id, engine_request, plan)

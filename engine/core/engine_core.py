@@ -123,6 +123,7 @@ class EngineCore:
         self._children: dict[str, list[Request]] = {}  # in-flight parent id -> its samples
         self._parked: dict[str, list[Request]] = {}  # samples waiting for their first sibling's prefill
         self._num_steps = 0
+        self._encoder_seconds_seen = 0.0
         self._consecutive_failed_steps = 0
         self._pipeline_depth = config.pipeline_parallel_size
         self._in_flight: deque[tuple[StepPlan, float]] = deque()
@@ -387,7 +388,7 @@ class EngineCore:
     def _update(self, so: SchedulerOutput, out: StepOutput, failed: list[str], start: float) -> list[Request]:
         """Apply a step's results: tokens, logprobs, grammars, failures; the samples it advanced."""
         if self.config.collect_step_timings:
-            self._record_step(so, start, time.monotonic())
+            self._record_step(so, start, time.monotonic(), self._take_encoder_seconds())
         for j, entries in out.prompt_logprobs.items():
             so.requests[j].prompt_logprobs.extend(_logprob_dict(e) for e in entries)
         updated = self.scheduler.update_from_output(so, out.sampled_token_ids, out.num_accepted_drafts)
@@ -430,11 +431,22 @@ class EngineCore:
             request.error = "a sampled token broke the request's structured_outputs grammar"
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
 
+    def _take_encoder_seconds(self) -> float:
+        """The driver worker's encoder time since the last call: this step's (a step later than the one
+        encoding, at worst, under pipeline parallelism's steps in flight)."""
+        total = self.executor.driver_worker.encoder_seconds
+        step, self._encoder_seconds_seen = total - self._encoder_seconds_seen, total
+        return step
+
     @staticmethod
-    def _record_step(so: SchedulerOutput, start: float, end: float) -> None:
+    def _record_step(so: SchedulerOutput, start: float, end: float, encoder_seconds: float) -> None:
         batch_tokens = so.total_num_scheduled_tokens
         for request, num_tokens in zip(so.requests, so.num_scheduled_tokens):
-            request.step_timings.append(StepTiming(start, end, num_tokens, len(so.requests), batch_tokens))
+            first = request.num_computed_tokens  # advanced past this step's tokens only after this
+            encoded = encoder_seconds if any(image.offset < first + num_tokens and image.end > first
+                                             for image in request.mm_inputs) else 0.0
+            request.step_timings.append(StepTiming(start, end, num_tokens, len(so.requests), batch_tokens,
+                                                   encoded))
 
     def _execute_isolated(self, so: SchedulerOutput) -> tuple[StepOutput, list[str]]:
         """Run the step; if it raises, run each request alone so that only the culprits fail. Raises
@@ -529,6 +541,7 @@ class EngineCore:
     def get_stats(self) -> EngineStats:
         s, kv = self.scheduler, self.scheduler.kv_cache_manager
         expert_load = self.executor.expert_load()  # MoE models count routed tokens
+        encoder = self.batch_builder.encoder_cache
         return EngineStats(
             kv_cache_usage=kv.usage,
             num_running=s.num_running,
@@ -552,6 +565,10 @@ class EngineCore:
             loaded_loras=tuple(self.lora_manager.loaded_names()) if self.lora_manager is not None else (),
             num_lora_slot_loads=self.lora_manager.num_slot_loads if self.lora_manager is not None else 0,
             expert_tokens=tuple(expert_load) if expert_load is not None else (),
+            mm_prompt_images=s.num_prompt_images,
+            mm_images_encoded=encoder.num_encoded if encoder is not None else 0,
+            mm_encoder_cache_hits=encoder.num_hits if encoder is not None else 0,
+            mm_encoder_seconds=self.executor.driver_worker.encoder_seconds,
         )
 
 

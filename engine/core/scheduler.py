@@ -142,6 +142,7 @@ class Scheduler:
         # Counters since start.
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
+        self.num_prompt_images = 0
         self.num_generation_tokens = 0
         self.num_finished = 0
         self.num_spec_drafts = 0  # verifications of at least one draft token
@@ -245,6 +246,7 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
                 kv.record_prefix_hit(request, num_hit)
                 self.num_prompt_tokens += request.num_prompt_tokens
+                self.num_prompt_images += len(request.mm_inputs)
             request.num_computed_tokens = num_hit
             if num_external:
                 self.connector.update_state_after_alloc(request, kv.get_block_ids(request), num_external)

@@ -12,6 +12,7 @@ import datetime
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,7 @@ class Worker:
         self.hidden_states: torch.Tensor | None = None
         # A vision-language model's image embeddings by content hash, as the driver's EncoderCache decides.
         self.encoder_cache: dict[str, torch.Tensor] = {}
+        self.encoder_seconds = 0.0  # in the vision encoder, since start (host time: exact on CPU)
 
     @property
     def weight_bytes(self) -> int:
@@ -221,7 +223,9 @@ class Worker:
         for content_hash in inp.mm_evict or ():
             cache.pop(content_hash, None)
         if inp.mm_encode:
+            start = time.perf_counter()
             cache.update(zip([image.content_hash for image in inp.mm_encode], self.model.embed_images(inp.mm_encode)))
+            self.encoder_seconds += time.perf_counter() - start
         rows = torch.cat([torch.arange(row, row + count, device=self.device) for _, _, count, row in inp.mm_placements])
         values = torch.cat([cache[h][first : first + count] for h, first, count, _ in inp.mm_placements])
         return rows, values

@@ -50,6 +50,11 @@ class InputProcessor:
         chars_per_token = max_chars_per_token(tokenizer)
         self.max_prompt_chars = max_model_len * chars_per_token if chars_per_token else None
         self._request_counter = itertools.count()
+        self.processed_images = None  # a vision-language model's processed images, by content hash
+        if model_config.vision is not None and config.mm_processor_cache_gb > 0:
+            from engine.multimodal.images import ProcessedImageCache
+
+            self.processed_images = ProcessedImageCache(int(config.mm_processor_cache_gb * 2**30))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> InputProcessor:
@@ -193,4 +198,5 @@ class InputProcessor:
             raise ValueError(f"multi_modal_data: {len(images)} images exceed limit_mm_per_prompt['image']={limit}")
         from engine.multimodal.images import expand_images  # PIL and the image processor: only with images
 
-        return expand_images(token_ids, images, vision, self.model_path, self.config.mm_processor_kwargs)
+        return expand_images(token_ids, images, vision, self.model_path, self.config.mm_processor_kwargs,
+                             self.processed_images)

@@ -26,6 +26,7 @@ class MediaSettings:
     allowed_local_media_path: str | None = None
     media_fetch_timeout_s: float = 5.0
     max_media_bytes: int = 20 * 2**20
+    preprocess_workers: int = 4  # threads that fetch, decode and process images in the ingress
 
 
 _IMAGE_PARTS = ("image_url", "image_pil")

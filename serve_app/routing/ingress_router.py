@@ -68,6 +68,6 @@ class IngressRouter:
                 prompt = await openai.chat_prompt(req)
             else:
                 return None
-            return openai.engine_request("route", prompt, SamplingParams(max_tokens=1), req)
+            return await openai.engine_request("route", prompt, SamplingParams(max_tokens=1), req)
         except (ValueError, APIError):  # pydantic.ValidationError is a ValueError
             return None

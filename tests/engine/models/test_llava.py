@@ -104,13 +104,21 @@ def test_prefix_cache_keys_blocks_by_their_images(llava):
 
 
 def test_the_encoder_runs_once_for_an_image_requests_share(llava):
-    llm = LLM(str(llava), dtype="float32", max_model_len=512, num_kv_blocks=256, enable_prefix_caching=False)
+    """...and its stats and step timings say so: what the Prometheus counters and the vision_encoder spans
+    (serve_app) are made from."""
+    llm = LLM(str(llava), dtype="float32", max_model_len=512, num_kv_blocks=256, enable_prefix_caching=False,
+              collect_step_timings=True)
     prompts = [{"prompt": f"Request {i}: <image> shows", "multi_modal_data": {"image": RED}} for i in range(4)]
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     cache = llm.llm_engine.core.batch_builder.encoder_cache
     assert cache.num_encoded == 1 and cache.num_hits == 0  # one step prefilled all four: one encode, one read
+    steps = outputs[0].metrics.steps
+    assert steps[0].encoder_seconds > 0 and all(s.encoder_seconds == 0 for s in steps[1:])  # then decodes
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert cache.num_encoded == 1 and cache.num_hits == 1
+    stats = llm.llm_engine.core.get_stats()
+    assert (stats.mm_prompt_images, stats.mm_images_encoded, stats.mm_encoder_cache_hits) == (5, 1, 1)
+    assert stats.mm_encoder_seconds >= steps[0].encoder_seconds
 
 
 def test_bad_images_are_refused_naming_the_field(llava, tiny_model_path):

@@ -146,3 +146,23 @@ def test_builtin_model_chats_with_images_and_refuses_what_it_lacks():
         llm.llm_engine.prepare_request(f"{PAD}", multi_modal_data={"video": [TALL]})
     with pytest.raises(ValueError, match="enable_lora: .*Qwen2_5_VLForConditionalGeneration"):
         LLM("pagedserve-tiny-qwen2.5-vl", max_model_len=256, num_kv_blocks=64, enable_lora=True)
+
+
+def test_processed_images_are_cached_by_content(qwen2_5_vl_checkpoint):
+    """The same pixels again (another PIL object) skip the image processor; another image or other processor
+    settings do not; with the cache off, nothing is kept. The prepared inputs are the same either way."""
+    llm = LLM(str(qwen2_5_vl_checkpoint), **ENGINE)
+    processor = llm.llm_engine.input_processor
+    cache = processor.processed_images
+    prompt = f"See {PAD}"
+    first = processor.prepare_request(prompt, multi_modal_data={"image": WIDE})
+    again = processor.prepare_request(prompt, multi_modal_data={"image": WIDE.copy()})
+    assert (cache.queries, cache.hits) == (2, 1)
+    assert (again.mm_inputs[0].pixel_values == first.mm_inputs[0].pixel_values).all()
+    processor.prepare_request(prompt, multi_modal_data={"image": TALL})
+    assert (cache.queries, cache.hits) == (3, 1)
+    off = LLM(str(qwen2_5_vl_checkpoint), **ENGINE, mm_processor_cache_gb=0).llm_engine.input_processor
+    assert off.processed_images is None
+    uncached = off.prepare_request(prompt, multi_modal_data={"image": WIDE})
+    assert uncached.prompt_token_ids == first.prompt_token_ids
+    assert (uncached.mm_inputs[0].pixel_values == first.mm_inputs[0].pixel_values).all()
