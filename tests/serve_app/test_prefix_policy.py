@@ -215,3 +215,25 @@ def test_sends_nobody_completes_count_as_queued_until_a_later_report_can_show_th
     assert policy.route(prompt(3, 0, prefix_blocks=0), unreported, now=101.0).ranked[0] == other
     policy.record_sent(prompt(2, 0), other, now=100.0 + policy.config.max_stats_age_s + 1)
     assert policy.route(prompt(3, 0, prefix_blocks=0), unreported, now=106.5).ranked[0] == first
+
+
+def test_a_shared_image_routes_to_the_replica_holding_it():
+    """Two requests with the same text and placeholder tokens but different images: the router matches the
+    image's blocks only on the replica that cached that image, and the other image only up to it."""
+    import numpy as np
+
+    from engine.multimodal.inputs import MultiModalInput
+
+    tokens = [7] * (2 * BS) + [32004] * (4 * BS) + [9] * (2 * BS)  # text, an image's placeholders, text
+
+    def image(content_hash: str) -> list[int]:
+        return hash_block_chain(tokens, BS, mm_inputs=[MultiModalInput(content_hash, 2 * BS, 4 * BS, np.zeros(1))])
+
+    cat, dog = image("cat"), image("dog")
+    assert cat[:2] == dog[:2] and cat[2] != dog[2]  # the text before the image is shared; nothing after it
+    loads = replicas(a=ReplicaLoad("a", cached_blocks=holding(dog, 8)),
+                     b=ReplicaLoad("b", cached_blocks=holding(cat, 8)))
+    d = PrefixRouterPolicy().route(cat, loads, now=0.0)
+    assert d.ranked[0] == "b" and d.matched_blocks == 8
+    d = PrefixRouterPolicy().route(dog, loads, now=0.0)
+    assert d.ranked[0] == "a" and d.matched_blocks == 8
