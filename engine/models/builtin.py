@@ -127,6 +127,34 @@ BUILTIN_MODELS: dict[str, dict] = {
                           "window_size": 56, "fullatt_block_indexes": [1, 3], "hidden_act": "silu",
                           "tokens_per_second": 2},
     },
+    # Benchmarks (benchmarks/multimodal.py): realistic proportions at CPU size. pagedserve-56m behind a ViT-S
+    # (hidden 384, 12 layers, 6 heads) in each family's layout: LLaVA's CLIP over 224-pixel images in 14-pixel
+    # patches (256 embeddings an image, from the second-to-last layer), and Qwen2.5-VL's windowed tower over
+    # images of up to 448 x 448 pixels (up to 256 embeddings, a full-attention block every fourth).
+    "pagedserve-56m-llava": {
+        "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_index": 32000,
+        "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "projector_hidden_act": "gelu",
+        "multimodal_projector_bias": True, "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.02,
+        "tie_word_embeddings": False, "torch_dtype": "float32",
+        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 384, "intermediate_size": 1536,
+                          "num_hidden_layers": 12, "num_attention_heads": 6, "image_size": 224, "patch_size": 14,
+                          "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5},
+        "text_config": {**_ARCH, **_COMMON, "model_type": "llama", "vocab_size": 32064, "hidden_size": 512,
+                        "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8,
+                        "num_key_value_heads": 4, "head_dim": 64},
+    },
+    "pagedserve-56m-qwen2.5-vl": {
+        **_COMMON, "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+        "hidden_act": "silu", "vocab_size": 32064, "hidden_size": 512, "intermediate_size": 1376,
+        "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4, "torch_dtype": "float32",
+        "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]}, "eos_token_id": [32001, 2],
+        "vision_start_token_id": 32002, "vision_end_token_id": 32003, "image_token_id": 32004,
+        "video_token_id": 32005,
+        "vision_config": {"depth": 12, "hidden_size": 384, "intermediate_size": 1024, "num_heads": 6,
+                          "in_channels": 3, "out_hidden_size": 512, "patch_size": 14, "spatial_merge_size": 2,
+                          "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [3, 7, 11],
+                          "hidden_act": "silu", "tokens_per_second": 2},
+    },
     "pagedserve-tiny-deepseek-v3": {
         **_COMMON, **_DEEPSEEK_V3_ARCH, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 3,
         "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -228,6 +256,21 @@ _QWEN_VL_IMAGE_PROCESSOR = {
     "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
     "image_std": [0.26862954, 0.26130258, 0.27577711], "resample": 3, "do_convert_rgb": True,
 }
+# The benchmark models' processors: CLIP's at 224 pixels, Qwen2-VL's up to 448 x 448.
+_LLAVA_224_IMAGE_PROCESSOR = {
+    "image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 224},
+    "crop_size": {"height": 224, "width": 224}, "do_resize": True, "do_center_crop": True, "do_rescale": True,
+    "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711], "resample": 3, "do_convert_rgb": True,
+}
+_QWEN_VL_448_IMAGE_PROCESSOR = {**_QWEN_VL_IMAGE_PROCESSOR,
+                                "size": {"shortest_edge": 56 * 56, "longest_edge": 448 * 448}}
+
+
+def _llava_processor(patch_size: int) -> dict:
+    """processor_config.json: what LlavaProcessor (vLLM's LLaVA path) needs to expand <image> itself."""
+    return {"processor_class": "LlavaProcessor", "patch_size": patch_size, "image_token": "<image>",
+            "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1}
 # CLIP's preprocessing at the tiny tower's 32-pixel input (resized, centre-cropped, normalized).
 _LLAVA_IMAGE_PROCESSOR = {
     "image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 32},
@@ -246,11 +289,15 @@ class _Flavor:
     chat_template: str = CHAT_TEMPLATE
     added_tokens: tuple[str, ...] = ()
     image_processor: dict | None = None
+    processor: dict | None = None  # processor_config.json
 
 
 _FLAVORS = {"pagedserve-tiny-gpt-oss": _Flavor(HARMONY_TEMPLATE, HARMONY_TOKENS),
-            "pagedserve-tiny-llava": _Flavor(LLAVA_TEMPLATE, ("<image>",), _LLAVA_IMAGE_PROCESSOR),
-            "pagedserve-tiny-qwen2.5-vl": _Flavor(QWEN_VL_TEMPLATE, QWEN_VL_TOKENS, _QWEN_VL_IMAGE_PROCESSOR)}
+            "pagedserve-tiny-llava": _Flavor(LLAVA_TEMPLATE, ("<image>",), _LLAVA_IMAGE_PROCESSOR, _llava_processor(8)),
+            "pagedserve-tiny-qwen2.5-vl": _Flavor(QWEN_VL_TEMPLATE, QWEN_VL_TOKENS, _QWEN_VL_IMAGE_PROCESSOR),
+            "pagedserve-56m-llava": _Flavor(LLAVA_TEMPLATE, ("<image>",), _LLAVA_224_IMAGE_PROCESSOR,
+                                            _llava_processor(14)),
+            "pagedserve-56m-qwen2.5-vl": _Flavor(QWEN_VL_TEMPLATE, QWEN_VL_TOKENS, _QWEN_VL_448_IMAGE_PROCESSOR)}
 _TOKENIZER_CONFIG = {
     "tokenizer_class": "LlamaTokenizer",
     "bos_token": "<s>",
@@ -269,7 +316,8 @@ _WEIGHT_SEEDS = {"pagedserve-tiny": 0x24A9A3D7, "pagedserve-56m": 0x7BED96D1, "p
                  "pagedserve-tiny-moe": 0x5E1F0C2B, "pagedserve-56m-moe": 0x3A7C94E5,
                  "pagedserve-tiny-gemma3": 0x6E3A3001, "pagedserve-tiny-deepseek-v3": 0xD5EE3003,
                  "pagedserve-tiny-gpt-oss": 0x6F550004, "pagedserve-tiny-llava": 0x11A7A005,
-                 "pagedserve-tiny-qwen2.5-vl": 0x9E2A5006}
+                 "pagedserve-tiny-qwen2.5-vl": 0x9E2A5006, "pagedserve-56m-llava": 0x56A11A07,
+                 "pagedserve-56m-qwen2.5-vl": 0x56E2A508}
 
 
 def cache_root() -> Path:
@@ -279,7 +327,7 @@ def cache_root() -> Path:
 def materialize_builtin(name: str) -> Path:
     spec = BUILTIN_MODELS[name]
     flavor = _FLAVORS.get(name, _Flavor())
-    extra = [list(flavor.added_tokens), flavor.image_processor] if name in _FLAVORS else []
+    extra = [list(flavor.added_tokens), flavor.image_processor, flavor.processor] if name in _FLAVORS else []
     digest = hashlib.sha256(json.dumps([spec, flavor.chat_template, _FORMAT_VERSION, *extra], sort_keys=True).encode())
     path = cache_root() / "models" / f"{name}-{digest.hexdigest()[:12]}"
     if (path / "model.safetensors").is_file():
@@ -323,6 +371,8 @@ def write_checkpoint(path: Path, spec: dict, seed: int, flavor: _Flavor = _Flavo
     write_tokenizer(path, flavor)
     if flavor.image_processor is not None:
         (path / "preprocessor_config.json").write_text(json.dumps(flavor.image_processor, indent=2))
+    if flavor.processor is not None:
+        (path / "processor_config.json").write_text(json.dumps(flavor.processor, indent=2))
 
 
 def write_tokenizer(path: Path, flavor: _Flavor = _Flavor()) -> None:
