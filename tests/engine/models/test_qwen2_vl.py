@@ -166,3 +166,28 @@ def test_processed_images_are_cached_by_content(qwen2_5_vl_checkpoint):
     uncached = off.prepare_request(prompt, multi_modal_data={"image": WIDE})
     assert uncached.prompt_token_ids == first.prompt_token_ids
     assert (uncached.mm_inputs[0].pixel_values == first.mm_inputs[0].pixel_values).all()
+
+
+def test_images_with_preemption_speculative_decoding_structured_outputs_and_prompt_logprobs(
+        qwen2_5_vl_checkpoint, references):
+    """The pairs the README's table states as supported: a KV pool too small for every request at once
+    (requests preempted and recomputed, their images re-encoded or read back); n-gram speculative decoding
+    (drafts verified at their M-RoPE positions); a grammar on the output; prompt logprobs over image tokens."""
+    from engine.sampling_params import StructuredOutputsParams
+
+    prompts = [{"prompt": prompt, "multi_modal_data": {"image": images}} for prompt, images in CASES.values()]
+    tight = LLM(str(qwen2_5_vl_checkpoint), dtype="float32", max_model_len=128, num_kv_blocks=10, block_size=16,
+                enable_prefix_caching=False)
+    outputs = tight.generate(prompts * 3, GREEDY, use_tqdm=False)
+    assert tight.llm_engine.core.get_stats().num_preemptions > 0
+    for name, out in zip(list(CASES) * 3, outputs):
+        assert_tokens_match(out.outputs[0].token_ids, references[name][1], references[name][2], what=name)
+    ngram = LLM(str(qwen2_5_vl_checkpoint), **ENGINE,
+                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    for name, out in zip(CASES, ngram.generate(prompts, GREEDY, use_tqdm=False)):
+        assert_tokens_match(out.outputs[0].token_ids, references[name][1], references[name][2], what=name)
+    params = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=1,
+                            structured_outputs=StructuredOutputsParams(choice=["cat", "dog"]))
+    out = ngram.generate(prompts[:1], params, use_tqdm=False)[0]
+    assert out.outputs[0].text in ("cat", "dog")
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids) and out.prompt_logprobs[0] is None
