@@ -103,17 +103,17 @@ class EngineCore:
                     self.model_config, config.max_loras, config.cpu_lora_capacity, config.max_lora_rank,
                     lambda slot, adapter: executor.collective_rpc("load_lora", slot, adapter),
                 )
-            encoder_cache = None
+            self.encoder_cache = None  # a vision-language model's images held by the workers
             if spec.model_config.vision is not None:
                 per_embedding = spec.model_config.hidden_size * spec.dtype.itemsize
-                encoder_cache = EncoderCache(int(config.mm_encoder_cache_gb * 2**30), per_embedding)
-            self.scheduler = self._build_scheduler(self.executor.num_blocks, encoder_cache)
+                self.encoder_cache = EncoderCache(int(config.mm_encoder_cache_gb * 2**30), per_embedding)
+            self.scheduler = self._build_scheduler(self.executor.num_blocks)
             self.kv_bytes_per_token = sum(self.executor.driver_worker.kv_bytes_per_block()) // config.block_size
             self.structured_output = StructuredOutputManager(
                 tokenizer, self.model_config.vocab_size, eos_token_ids, config.max_num_seqs
             )
             mrope_merge = spec.model_config.vision.spatial_merge_size if spec.model_config.mrope_section else None
-            self.batch_builder = BatchBuilder(config, block_tables, drafter, self.kv_connector, encoder_cache,
+            self.batch_builder = BatchBuilder(config, block_tables, drafter, self.kv_connector, self.encoder_cache,
                                               mrope_merge)
             self.step_sampler = StepSampler(sampler, device, self.model_config.vocab_size, self.structured_output)
         except BaseException:
@@ -137,7 +137,7 @@ class EngineCore:
         spec = ModelSpec.resolve(config)
         return cls(config, spec, tokenizer or tokenizer_for(config, spec.path), rendezvous)
 
-    def _build_scheduler(self, num_blocks: int, encoder_cache: EncoderCache | None) -> Scheduler:
+    def _build_scheduler(self, num_blocks: int) -> Scheduler:
         config = self.config
         if (num_blocks - 1) * config.block_size < self.max_model_len:
             raise ValueError(
@@ -162,7 +162,7 @@ class EngineCore:
             num_speculative_tokens=config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
             connector=self.kv_connector,
             lora_manager=self.lora_manager,
-            encoder_cache=encoder_cache,
+            encoder_cache=self.encoder_cache,
             encoder_budget=config.max_num_encoder_input_tokens or self.max_num_batched_tokens,
         )
 
