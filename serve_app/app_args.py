@@ -143,6 +143,12 @@ class AppArgs(BaseModel):
     max_media_bytes: int = Field(20 * 2**20, ge=1, description="Largest image a request may send or name (bytes).")
     mm_preprocess_workers: int = Field(
         4, ge=1, description="Threads of each ingress that fetch, decode, resize and hash images, off its event loop.")
+    responses_store_max_entries: int = Field(
+        10_000, ge=1, description="Responses API: most stored responses (store=true), least recently used out first.")
+    responses_store_max_bytes: int = Field(
+        256 * 2**20, ge=1024, description="Responses API: most bytes of stored responses and their conversations.")
+    responses_store_ttl_s: float = Field(
+        24 * 3600.0, gt=0, description="Responses API: how long a stored response may be retrieved or continued.")
     max_request_body_bytes: int = Field(
         8 * 2**20, ge=1024, description="Larger request bodies get 413 before they are parsed (default 8 MiB).")
     ray_actor_options: dict[str, Any] = Field(

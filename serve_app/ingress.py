@@ -20,7 +20,7 @@ from ray.serve.handle import DeploymentHandle
 
 from engine.frontend.input_processor import InputProcessor
 from engine.multimodal.media import MediaSettings
-from serve_app import lora_routes, replica_context, tracing
+from serve_app import lora_routes, replica_context, responses_serving, tracing
 from serve_app.anthropic_serving import AnthropicServing, add_routes
 from serve_app.app_args import AppArgs
 from serve_app.http_api import build_http_app
@@ -28,6 +28,9 @@ from serve_app.lora_registry import LoRARegistry
 from serve_app.openai_serving import OpenAIServing
 from serve_app.protocol.anthropic import MessagesRequest
 from serve_app.protocol.openai import ChatCompletionRequest, CompletionRequest
+from serve_app.protocol.responses import ResponsesRequest
+from serve_app.response_store import StoreLimits, shared_store
+from serve_app.responses_serving import ResponsesServing
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +57,11 @@ class ClientFrontend:
                               args.media_fetch_timeout_s, args.max_media_bytes, args.mm_preprocess_workers)
         self.openai = OpenAIServing(self.processor, args.name, engine, args.tool_call_parser, self.lora, media)
         self.anthropic = AnthropicServing(self.openai)
-        self.extra_routes = [lambda app: add_routes(app, self.anthropic)]
+        limits = StoreLimits(args.responses_store_max_entries, args.responses_store_max_bytes,
+                             args.responses_store_ttl_s)
+        self.responses = ResponsesServing(self.openai, lambda: shared_store(_app_name(args), limits))
+        self.extra_routes = [lambda app: add_routes(app, self.anthropic),
+                             lambda app: responses_serving.add_routes(app, self.responses)]
         if args.allow_runtime_lora_updating:
             self.extra_routes.append(lambda app: lora_routes.add_routes(app, self.lora))
 
@@ -74,6 +81,14 @@ class ClientFrontend:
         with tracing.handle_span("chat", trace_context):
             request = ChatCompletionRequest.model_validate(request)
             result = await self.openai.chat(request)
+            async for item in _as_stream(result, request.stream):
+                yield item
+
+    async def responses(self, request: ResponsesRequest | dict, trace_context: dict | None = None) -> AsyncGenerator:
+        """OpenAI Responses: one Response, or (event name, data) pairs when stream=True."""
+        with tracing.handle_span("responses", trace_context):
+            request = ResponsesRequest.model_validate(request)
+            result = await self.responses.create(request)
             async for item in _as_stream(result, request.stream):
                 yield item
 
@@ -107,6 +122,14 @@ class OpenAIIngress(ClientFrontend):
         except Exception:  # noqa: BLE001 - any failure to answer is unhealthy
             return False
         return bool(results) and all(results)
+
+
+def _app_name(args: AppArgs) -> str:
+    """The Serve application this replica belongs to (its store is the app's), else the served model's name."""
+    try:
+        return serve.get_replica_context().app_name
+    except Exception:  # noqa: BLE001 - not in a replica (a test's frontend)
+        return args.name
 
 
 async def _as_stream(result, stream: bool):
