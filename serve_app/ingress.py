@@ -59,9 +59,9 @@ class ClientFrontend:
         self.anthropic = AnthropicServing(self.openai)
         limits = StoreLimits(args.responses_store_max_entries, args.responses_store_max_bytes,
                              args.responses_store_ttl_s)
-        self.responses = ResponsesServing(self.openai, lambda: shared_store(_app_name(args), limits))
+        self.responses_api = ResponsesServing(self.openai, lambda: shared_store(_app_name(args), limits))
         self.extra_routes = [lambda app: add_routes(app, self.anthropic),
-                             lambda app: responses_serving.add_routes(app, self.responses)]
+                             lambda app: responses_serving.add_routes(app, self.responses_api)]
         if args.allow_runtime_lora_updating:
             self.extra_routes.append(lambda app: lora_routes.add_routes(app, self.lora))
 
@@ -88,7 +88,7 @@ class ClientFrontend:
         """OpenAI Responses: one Response, or (event name, data) pairs when stream=True."""
         with tracing.handle_span("responses", trace_context):
             request = ResponsesRequest.model_validate(request)
-            result = await self.responses.create(request)
+            result = await self.responses_api.create(request)
             async for item in _as_stream(result, request.stream):
                 yield item
 

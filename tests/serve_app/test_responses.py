@@ -177,3 +177,19 @@ def test_an_openai_agents_sdk_agent_runs_its_function_tool(serve_app_url):
     result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
     assert len(cities) == 1 and cities[0] in ("Paris", "Rome", "Tokyo")
     assert isinstance(result.final_output, Answer)
+
+
+def test_a_deployment_handle_caller_gets_responses(serve_app_url):
+    from ray import serve
+
+    from serve_app.protocol.responses import Response, ResponsesRequest
+    from tests.serve_app.conftest import APP
+
+    handle = serve.get_app_handle(APP).options(stream=True)
+    request = ResponsesRequest(input="Hi", max_output_tokens=4, temperature=0)
+    [response] = list(handle.responses.remote(request))
+    assert isinstance(response, Response) and response.usage.output_tokens <= 4
+    events = list(handle.responses.remote(request.model_copy(update={"stream": True})))
+    assert events[0][0] == "response.created"
+    streamed = Response.model_validate(events[-1][1]["response"])
+    assert streamed.output_text == response.output_text and streamed.usage == response.usage
