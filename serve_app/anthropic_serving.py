@@ -43,6 +43,7 @@ from serve_app.protocol.anthropic import (
     StopReason,
     TextBlock,
     TextBlockParam,
+    ThinkingBlock,
     ToolResultBlockParam,
     ToolUseBlock,
     ToolUseBlockParam,
@@ -139,12 +140,16 @@ class _Blocks:
     (serve_app/chat_tools.py, which parses or constrains them), whole or as stream events."""
 
     single_call: bool  # disable_parallel_tool_use: only the first call counts
+    thinking: bool = False  # the request enabled thinking: the reasoning comes as thinking blocks
     index: int = -1  # the open block's index in a stream
     open_kind: str | None = None
     tool_ids: dict[int, str] = field(default_factory=dict)  # call index -> tool_use id
 
-    def whole(self, content: str | None, calls: list[ToolCall] | None) -> list[TextBlock | ToolUseBlock]:
-        blocks: list[TextBlock | ToolUseBlock] = [TextBlock(text=content)] if content else []
+    def whole(self, content: str | None, calls: list[ToolCall] | None,
+              thinking: str | None = None) -> list[ThinkingBlock | TextBlock | ToolUseBlock]:
+        blocks: list[ThinkingBlock | TextBlock | ToolUseBlock] = [ThinkingBlock(thinking=thinking)] if thinking \
+            else []
+        blocks += [TextBlock(text=content)] if content else []
         for call in (calls or [])[: 1 if self.single_call else None]:
             try:
                 arguments = json.loads(call.function.arguments)
@@ -154,9 +159,14 @@ class _Blocks:
             blocks.append(ToolUseBlock(id=new_tool_use_id(), name=call.function.name, input=arguments))
         return blocks or [TextBlock(text="")]
 
-    def events(self, content: str | None, deltas: list[DeltaToolCall] | None) -> list[Event]:
-        """The stream events for one chunk's content and tool-call deltas."""
+    def events(self, content: str | None, deltas: list[DeltaToolCall] | None,
+               thinking: str | None = None) -> list[Event]:
+        """The stream events for one chunk's thinking, content and tool-call deltas."""
         events: list[Event] = []
+        if thinking:
+            if self.open_kind != "thinking":
+                events += self.open({"type": "thinking", "thinking": "", "signature": ""}, "thinking")
+            events.append(_delta(self.index, {"type": "thinking_delta", "thinking": thinking}))
         if content:
             if self.open_kind != "text":
                 events += self.open({"type": "text", "text": ""}, "text")
@@ -182,8 +192,10 @@ class _Blocks:
     def close(self) -> list[Event]:
         if self.open_kind is None:
             return []
+        thinking = self.open_kind == "thinking"  # Anthropic ends a thinking block with its signature
+        events = [_delta(self.index, {"type": "signature_delta", "signature": ""})] if thinking else []
         self.open_kind = None
-        return [("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return events + [("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
 
 def _delta(index: int, delta: dict) -> Event:
@@ -223,7 +235,7 @@ class AnthropicServing:
         self.openai.check_model(req.model)
         chat = self.chat_request(req)
         # The same checks as a message: a bad tool_choice is a 400.
-        plan_tools(chat, self.openai.tool_parser, self.openai.harmony)
+        plan_tools(chat, self.openai.tool_parser, self.openai.harmony, self.openai.think)
         return MessageTokensCount(input_tokens=len((await self.openai.chat_prompt(chat)).token_ids))
 
     async def messages(self, req: MessagesRequest) -> MessagesResponse | AsyncIterator[Event]:
@@ -232,7 +244,7 @@ class AnthropicServing:
         openai = self.openai
         openai.check_model(req.model)
         chat = self.chat_request(req)
-        plan = plan_tools(chat, openai.tool_parser, openai.harmony)
+        plan = plan_tools(chat, openai.tool_parser, openai.harmony, openai.think)
         prompt = await openai.chat_prompt(chat)
         so = await openai.structured_outputs(chat, plan)  # a forced tool: its input schema constrains the output
         message_id = new_message_id()
@@ -246,10 +258,10 @@ class AnthropicServing:
             raise from_exception(e) from e
         if item is None:
             raise APIError(500, "the engine returned no output", code="internal_error")
-        single_call = not chat.parallel_tool_calls
+        blocks = _Blocks(single_call=not chat.parallel_tool_calls, thinking=req.thinking_enabled)
         if req.stream:
-            return self._events(message_id, item[1], outputs, ChoiceTools(plan), _Blocks(single_call))
-        return await self._message(message_id, item[1], outputs, ChoiceTools(plan), _Blocks(single_call))
+            return self._events(message_id, item[1], outputs, ChoiceTools(plan), blocks)
+        return await self._message(message_id, item[1], outputs, ChoiceTools(plan), blocks)
 
     async def _message(self, message_id: str, first: RequestOutput, rest, tools: ChoiceTools,
                        blocks: _Blocks) -> MessagesResponse:
@@ -262,9 +274,10 @@ class AnthropicServing:
         except Exception as e:
             raise from_exception(e) from e
         c = final.outputs[0]
-        content, calls, finish_reason, _ = tools.final(c.text, c.finish_reason)  # thinking blocks: issue 38
+        content, calls, finish_reason, reasoning = tools.final(c.text, c.finish_reason)
         reason, sequence = stop_reason(c, finish_reason)
-        return MessagesResponse(id=message_id, content=blocks.whole(content, calls), model=self.model_name,
+        thinking = reasoning if blocks.thinking else None
+        return MessagesResponse(id=message_id, content=blocks.whole(content, calls, thinking), model=self.model_name,
                                 stop_reason=reason, stop_sequence=sequence, usage=_usage(tally))
 
     async def _events(self, message_id: str, first: RequestOutput, rest, tools: ChoiceTools,
@@ -280,15 +293,15 @@ class AnthropicServing:
                                      usage=MessagesUsage(input_tokens=tally.prompt_tokens - tally.cached_tokens,
                                                          output_tokens=0, cache_read_input_tokens=tally.cached_tokens))
             yield "message_start", {"type": "message_start", "message": start.model_dump()}
-            if tools.plan.mode == "none":
+            if tools.plan.mode == "none" and not blocks.thinking:
                 for event in blocks.open({"type": "text", "text": ""}, "text"):
                     yield event
             yield "ping", {"type": "ping"}
             output = first
             while True:
                 c = output.outputs[0]
-                content, deltas, finish_reason, _ = tools.delta(c.text, c.finish_reason)
-                for event in blocks.events(content, deltas):
+                content, deltas, finish_reason, reasoning = tools.delta(c.text, c.finish_reason)
+                for event in blocks.events(content, deltas, reasoning if blocks.thinking else None):
                     yield event
                 item = await anext(rest, None)
                 if item is None:

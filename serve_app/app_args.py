@@ -134,6 +134,10 @@ class AppArgs(BaseModel):
         "`auto` picks by the chat template's markers ([TOOL_CALLS]: mistral, <|python_start|>: pythonic, "
         "<|python_tag|>: llama3_json, else hermes).",
     )
+    reasoning_parser: Literal["deepseek_r1", "qwen3", "gpt_oss"] | None = Field(
+        None, description="How a reasoning model's thinking is split from its answer (serve_app/reasoning_parsers.py): "
+        "returned as `reasoning` (chat), thinking blocks (Anthropic) or reasoning items (Responses); tool calls "
+        "are read from the answer only. gpt_oss needs a Harmony chat template (read without it too).")
     allowed_media_domains: list[str] = Field(
         default_factory=list, description="Hosts (and their subdomains) whose http(s) image URLs the app may fetch; "
         "empty: none (data: URLs only).")

@@ -20,6 +20,7 @@ so they read it as any model's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from serve_app.protocol.openai import (
     FunctionCall,
     ToolCall,
 )
+from serve_app.reasoning_parsers import ThinkFormat, ThinkStream
 from serve_app.tool_parsers import ParsedToolCall, ToolParser
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
@@ -47,15 +49,29 @@ class ToolPlan:
     function: str | None = None  # named
     structured_outputs: StructuredOutputsParams | None = None  # required, named
     harmony: bool = False  # none, auto: the output is in Harmony's channels
+    think: ThinkFormat | None = None  # none, auto: the output thinks in <think> ... </think> first
+    include_reasoning: bool = True  # false: the reasoning is dropped from what the client gets
 
     @property
     def reads_harmony(self) -> bool:
         return self.harmony and self.mode in ("none", "auto")
 
+    @property
+    def reads_thinking(self) -> bool:
+        """A forced call or format constrains the whole output to JSON: nothing to split."""
+        return self.think is not None and self.mode in ("none", "auto")
 
-def plan_tools(req: ChatCompletionRequest, parser: ToolParser, harmony: bool = False) -> ToolPlan:
+
+def plan_tools(req: ChatCompletionRequest, parser: ToolParser, harmony: bool = False,
+               think: ThinkFormat | None = None) -> ToolPlan:
     """The plan for `req`'s tools; raises a 400 naming tools or tool_choice when they do not fit. `harmony`:
-    the model writes Harmony's format (serve_app/harmony.py)."""
+    the model writes Harmony's format (serve_app/harmony.py); `think`: the app's reasoning parser's format
+    (serve_app/reasoning_parsers.py)."""
+    plan = _plan_tools(req, parser, harmony)
+    return dataclasses.replace(plan, think=think, include_reasoning=req.include_reasoning)
+
+
+def _plan_tools(req: ChatCompletionRequest, parser: ToolParser, harmony: bool) -> ToolPlan:
     tools = req.tools or []
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
@@ -128,9 +144,31 @@ class ChoiceTools:
     in_calls: bool = False  # auto: a tool-call marker has appeared
     call_id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")  # named
     harmony: HarmonyStream = field(default_factory=HarmonyStream)
+    thinking: ThinkStream | None = None
 
     def final(self, text: str, finish_reason: str | None) -> ChoiceText:
-        """The content, tool calls and finish_reason of a whole output."""
+        """The content, tool calls, finish_reason and reasoning of a whole output."""
+        reasoning = None
+        if self.plan.reads_thinking:
+            reasoning, text = self.plan.think.split(text)
+        out = self._final(text, finish_reason)
+        return self._reasoning(out, reasoning or out.reasoning)
+
+    def delta(self, new_text: str, finish_reason: str | None) -> ChoiceText:
+        """The content delta, tool-call deltas, finish_reason and reasoning delta for the text a stream chunk
+        adds."""
+        reasoning = None
+        if self.plan.reads_thinking:
+            if self.thinking is None:
+                self.thinking = ThinkStream(self.plan.think)
+            reasoning, new_text = self.thinking.feed(new_text, finish_reason is not None)
+        out = self._delta(new_text, finish_reason)
+        return self._reasoning(out, reasoning or out.reasoning)
+
+    def _reasoning(self, out: ChoiceText, reasoning: str | None) -> ChoiceText:
+        return out._replace(reasoning=(reasoning or None) if self.plan.include_reasoning else None)
+
+    def _final(self, text: str, finish_reason: str | None) -> ChoiceText:
         mode = self.plan.mode
         calls: list[ParsedToolCall] = []
         content: str | None = text
@@ -150,8 +188,7 @@ class ChoiceTools:
             return ChoiceText(content, tool_calls, _finish(finish_reason, tool_calls))
         return ChoiceText(content, [_tool_call(c) for c in calls] or None, _finish(finish_reason, calls))
 
-    def delta(self, new_text: str, finish_reason: str | None) -> ChoiceText:
-        """The content delta, tool-call deltas and finish_reason for the text a stream chunk adds."""
+    def _delta(self, new_text: str, finish_reason: str | None) -> ChoiceText:
         mode = self.plan.mode
         if self.plan.reads_harmony:
             reasoning, content, found = self.harmony.delta(new_text, finish_reason is not None)
@@ -171,7 +208,7 @@ class ChoiceTools:
         if mode == "required":
             if not done:
                 return ChoiceText(None, None, None)
-            content, calls, finish_reason, _ = self.final(self.text, finish_reason)
+            content, calls, finish_reason, _ = self._final(self.text, finish_reason)
             return ChoiceText(content, _call_deltas(calls) if calls else None, finish_reason)
         # auto: stream content up to a (possible) marker; the calls come with the end
         parser, content = self.plan.parser, ""
@@ -185,7 +222,7 @@ class ChoiceTools:
             content, self.sent = self.text[self.sent : end], max(self.sent, end)
         if not done or not self.in_calls:
             return ChoiceText(content or None, None, finish_reason)
-        _, calls, finish_reason, _ = self.final(self.text, finish_reason)
+        _, calls, finish_reason, _ = self._final(self.text, finish_reason)
         if not calls:  # the marker led to nothing parseable: it was content after all
             content, self.sent = content + self.text[self.sent :], len(self.text)
             return ChoiceText(content or None, None, finish_reason)

@@ -55,7 +55,8 @@ class ClientFrontend:
                                      args.lora_modules, args.lora_root)
         media = MediaSettings(tuple(args.allowed_media_domains), args.allowed_local_media_path,
                               args.media_fetch_timeout_s, args.max_media_bytes, args.mm_preprocess_workers)
-        self.openai = OpenAIServing(self.processor, args.name, engine, args.tool_call_parser, self.lora, media)
+        self.openai = OpenAIServing(self.processor, args.name, engine, args.tool_call_parser, self.lora, media,
+                                    args.reasoning_parser)
         self.anthropic = AnthropicServing(self.openai)
         limits = StoreLimits(args.responses_store_max_entries, args.responses_store_max_bytes,
                              args.responses_store_ttl_s)

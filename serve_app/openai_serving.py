@@ -45,6 +45,7 @@ from serve_app.protocol.openai import (
     Usage,
     new_id,
 )
+from serve_app.reasoning_parsers import think_format
 from serve_app.tool_parsers import get_tool_parser
 
 # Tokenizing costs about 0.5 ms per 1,000 characters here. A text above this many is tokenized in a
@@ -105,7 +106,8 @@ def _own_internal_request_id() -> None:
 
 class OpenAIServing:
     def __init__(self, processor: InputProcessor, served_model_name: str, engine, tool_call_parser: str = "auto",
-                 lora: LoRARegistry | None = None, media: MediaSettings | None = None) -> None:
+                 lora: LoRARegistry | None = None, media: MediaSettings | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.processor = processor
         self.lora = lora  # the adapters served as models of their own (None: the base model only)
         self._adapter_handles: dict[str, object] = {}
@@ -114,6 +116,10 @@ class OpenAIServing:
         self.engine = engine  # DeploymentHandle to LLMServer, with stream=True
         self.tool_parser = get_tool_parser(tool_call_parser, self.tokenizer.chat_template)
         self.harmony = is_harmony_template(self.tokenizer.chat_template)  # gpt-oss's channels (serve_app/harmony.py)
+        if reasoning_parser == "gpt_oss" and not self.harmony:
+            raise ValueError(f"reasoning_parser: gpt_oss reads Harmony's channels; {served_model_name}'s chat "
+                             "template does not write Harmony")
+        self.think = think_format(reasoning_parser) if reasoning_parser else None  # <think> ... </think>
         self.formats = FormatValidator(processor)
         self.media = media or MediaSettings()
         # Images are fetched, decoded and processed here, so that the prefix router sees their hashes: on
@@ -417,7 +423,7 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[ChatCompletionChunk]:
         self.check_model(req.model)
-        plan = plan_tools(req, self.tool_parser, self.harmony)
+        plan = plan_tools(req, self.tool_parser, self.harmony, self.think)
         prompt = await self.chat_prompt(req)
         so = await self.structured_outputs(req, plan)
         request_id = req.request_id or new_id("chatcmpl")

@@ -2,8 +2,9 @@
 
 Follows Anthropic's documented shapes. Requests ignore fields we do not know (`metadata`, `cache_control`
 on blocks, `anthropic-beta` features...); every field we do know is validated here and fails with its
-name. Content blocks are text, `tool_use` (assistant turns), `tool_result` and `image` (user turns); others
-(documents, thinking) are rejected, naming the block's place. Tools are client tools with an
+name. Content blocks are text, `tool_use` and `thinking` (assistant turns: an earlier turn's thinking is
+accepted and left out of the prompt), `tool_result` and `image` (user turns); others (documents) are
+rejected, naming the block's place. Tools are client tools with an
 `input_schema`; Anthropic's server tools (web search, code execution...) are rejected naming `tools`."""
 
 from __future__ import annotations
@@ -74,8 +75,18 @@ class ImageBlockParam(_Request):
     source: ImageSource
 
 
-ContentBlockParam = Annotated[TextBlockParam | ToolUseBlockParam | ToolResultBlockParam | ImageBlockParam,
-                              Field(discriminator="type")]
+class ThinkingBlockParam(_Request):
+    """An earlier turn's thinking, sent back with its signature: accepted, and left out of the prompt (chat
+    templates take no reasoning back)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None
+
+
+ContentBlockParam = Annotated[TextBlockParam | ToolUseBlockParam | ToolResultBlockParam | ImageBlockParam
+                              | ThinkingBlockParam, Field(discriminator="type")]
 
 
 def _blocks(value: Any, allowed: tuple[str, ...]) -> Any:
@@ -102,7 +113,8 @@ def _blocks(value: Any, allowed: tuple[str, ...]) -> Any:
 
 # What each block type must carry, checked before the union is tried (its errors would name the wrong branch).
 _REQUIRED = {"text": {"text": str}, "tool_use": {"id": str, "name": str, "input": dict},
-             "tool_result": {"tool_use_id": str}, "image": {"source": dict}}
+             "tool_result": {"tool_use_id": str}, "image": {"source": dict}, "thinking": {"thinking": str},
+             "redacted_thinking": {}}
 _REQUIRED_NAMES = {"text": "a string `text`", "id": "a string `id`", "name": "a string `name`",
                    "input": "an object `input`", "tool_use_id": "a string `tool_use_id`",
                    "source": "an object `source`"}
@@ -121,7 +133,8 @@ class MessageParam(_Request):
     def _check_content(cls, value: Any, info: ValidationInfo) -> Any:
         # tool_use blocks belong to assistant turns, tool_result blocks to user turns (Anthropic's rule).
         assistant = info.data.get("role") == "assistant"
-        return _blocks(value, ("text", "tool_use") if assistant else ("text", "tool_result", "image"))
+        return _blocks(value, ("text", "tool_use", "thinking", "redacted_thinking") if assistant
+                       else ("text", "tool_result", "image"))
 
     def text(self) -> str:
         """The text blocks' text, concatenated (tool blocks left out)."""
@@ -193,6 +206,14 @@ class Conversation(_Request):
         return None if self.system is None else _join(self.system)
 
 
+class ThinkingConfig(_Request):
+    """Extended thinking: with the app's reasoning_parser, the model's reasoning comes back as thinking
+    blocks. budget_tokens is checked as Anthropic checks it; the engine does not yet end thinking at it."""
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(None, ge=1024)
+
+
 class MessagesRequest(Conversation):
     """The request body of `POST /v1/messages`."""
 
@@ -204,6 +225,19 @@ class MessagesRequest(Conversation):
     stream: bool = False
     metadata: dict[str, Any] | None = Field(None, description="Accepted and ignored.")
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past the end-of-sequence token.")
+    thinking: ThinkingConfig | None = None
+
+    @model_validator(mode="after")
+    def _check_thinking(self) -> MessagesRequest:
+        t = self.thinking
+        if t is not None and t.type == "enabled" and (t.budget_tokens is None or t.budget_tokens >= self.max_tokens):
+            raise PydanticCustomError("invalid_thinking", "thinking.budget_tokens: enabled thinking needs a budget "
+                                      "of at least 1024 tokens, below max_tokens", {})
+        return self
+
+    @property
+    def thinking_enabled(self) -> bool:
+        return self.thinking is not None and self.thinking.type == "enabled"
 
     @field_validator("stop_sequences")
     @classmethod
@@ -242,6 +276,12 @@ class TextBlock(BaseModel):
     text: str
 
 
+class ThinkingBlock(BaseModel):
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""  # Anthropic signs its thinking; a client sends it back, which this server accepts
+
+
 class ToolUseBlock(BaseModel):
     type: Literal["tool_use"] = "tool_use"
     id: str
@@ -263,7 +303,7 @@ class MessagesResponse(BaseModel):
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
-    content: list[TextBlock | ToolUseBlock]
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock]
     model: str
     stop_reason: StopReason | None = None  # null only in a stream's message_start
     stop_sequence: str | None = None

@@ -191,6 +191,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # vLLM's: false drops the reasoning the app's reasoning parser splits off
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:

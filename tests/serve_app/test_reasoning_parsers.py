@@ -1,0 +1,127 @@
+"""Reasoning parsers (serve_app/reasoning_parsers.py) and their place in a chat choice (serve_app/chat_tools.py):
+the thinking split from the answer, the same whole as streamed in any chunking; tool calls read from the answer
+only; include_reasoning=false drops it."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_app.chat_tools import ChoiceTools, plan_tools
+from serve_app.protocol.openai import ChatCompletionRequest
+from serve_app.reasoning_parsers import think_format
+from serve_app.tool_parsers import get_tool_parser
+
+CASES = [  # (parser, output, reasoning, answer)
+    ("deepseek_r1", "Let me think.</think>\n\nThe answer is 4.", "Let me think.", "The answer is 4."),
+    ("deepseek_r1", "<think>Opened again.</think>Four.", "Opened again.", "Four."),
+    ("deepseek_r1", "Still thinking when max_tokens came", "Still thinking when max_tokens came", ""),
+    ("qwen3", "<think>\nHmm.\n</think>\n\nFour.", "\nHmm.\n", "Four."),
+    ("qwen3", "Four, without thinking.", None, "Four, without thinking."),
+    ("qwen3", "<thinking is a word>", None, "<thinking is a word>"),
+    ("qwen3", "<think>a < b and </thin is not the end</think>yes", "a < b and </thin is not the end", "yes"),
+]
+
+
+@pytest.mark.parametrize("parser, output, reasoning, answer", CASES)
+def test_whole_and_streamed_in_every_chunking(parser, output, reasoning, answer):
+    fmt = think_format(parser)
+    assert fmt.split(output) == (reasoning, answer)
+    for size in (1, 2, 3, 7):
+        chunks = [output[i : i + size] for i in range(0, len(output), size)]
+        tools = ChoiceTools(plan_tools(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]),
+                                       get_tool_parser("auto", None), think=fmt))
+        parts = [tools.delta(chunk, "stop" if i == len(chunks) - 1 else None) for i, chunk in enumerate(chunks)]
+        assert "".join(p.reasoning or "" for p in parts) == (reasoning or "")
+        assert "".join(p.content or "" for p in parts) == answer
+
+
+def test_a_tool_call_inside_the_thinking_is_not_a_call():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=tools)
+    plan = plan_tools(req, get_tool_parser("mistral", None), think=think_format("deepseek_r1"))
+    thought = 'I could write [TOOL_CALLS] [{"name": "f", "arguments": {}}] but will not.</think>Done.'
+    out = ChoiceTools(plan).final(thought, "stop")
+    assert out.tool_calls is None and out.content == "Done." and "[TOOL_CALLS]" in out.reasoning
+    called = ChoiceTools(plan).final('Call it.</think>[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}]', "stop")
+    assert called.reasoning == "Call it." and called.tool_calls[0].function.name == "f"
+    assert called.finish_reason == "tool_calls"
+
+
+def test_include_reasoning_false_drops_it():
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], include_reasoning=False)
+    out = ChoiceTools(plan_tools(req, get_tool_parser("auto", None), think=think_format("deepseek_r1"))).final(
+        "secret</think>shown", "stop")
+    assert out.reasoning is None and out.content == "shown"
+
+
+def test_unknown_parser_is_refused_by_name():
+    with pytest.raises(ValueError, match="reasoning_parser: 'o1' is not one of"):
+        think_format("o1")
+
+
+# --- over HTTP: an app with reasoning_parser deepseek_r1 (the output starts inside the thinking) -------------
+# A regex constrains the random-weight model's output to "<thinking></think><answer>", so the split is known.
+SHAPED = {"structured_outputs": {"regex": "[a-z]{3,8}</think>[a-z]{3,8}"}}
+
+
+@pytest.fixture(scope="module")
+def reasoning_url(deploy_app) -> str:
+    return deploy_app("reasoning", "/reasoning", model="pagedserve-tiny", num_replicas=1,
+                      reasoning_parser="deepseek_r1", engine={"max_model_len": 2560, "num_kv_blocks": 256})
+
+
+def test_chat_returns_reasoning_apart_whole_and_streamed(reasoning_url):
+    import openai
+
+    client = openai.OpenAI(base_url=reasoning_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    ask = dict(model="pagedserve-tiny", messages=[{"role": "user", "content": "Think, then answer."}],
+               temperature=0, max_tokens=32, extra_body=SHAPED)
+    message = client.chat.completions.create(**ask).choices[0].message
+    assert message.reasoning and message.content and "</think>" not in message.reasoning + message.content
+    assert message.reasoning_content == message.reasoning
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.reasoning or "" for d in deltas) == message.reasoning
+    assert "".join(d.content or "" for d in deltas) == message.content
+    hidden = client.chat.completions.create(**{**ask, "extra_body": {**SHAPED, "include_reasoning": False}})
+    assert hidden.choices[0].message.reasoning is None and hidden.choices[0].message.content == message.content
+
+
+def test_anthropic_thinking_blocks_when_enabled(reasoning_url):
+    """Anthropic's route takes no regex, so the random-weight output never closes its thinking: all of it is
+    reasoning, which comes as a thinking block only when the request enables thinking."""
+    import anthropic
+    import openai
+
+    chat = openai.OpenAI(base_url=reasoning_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    expected = chat.chat.completions.create(model="pagedserve-tiny", temperature=0, max_tokens=16, messages=[
+        {"role": "user", "content": "Think first."}]).choices[0].message.reasoning
+    client = anthropic.Anthropic(base_url=reasoning_url, api_key="unused", max_retries=0, timeout=60)
+    ask = dict(model="pagedserve-tiny", max_tokens=16, messages=[{"role": "user", "content": "Think first."}],
+               extra_body={"temperature": 0})
+    plain = client.messages.create(**ask)
+    assert [b.type for b in plain.content] == ["text"] and plain.content[0].text == ""
+    enabled = dict(ask, max_tokens=2048, extra_body={"temperature": 0, "ignore_eos": False})
+    thought = client.messages.create(**enabled, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert thought.content[0].type == "thinking" and thought.content[0].thinking.startswith(expected)
+    with client.messages.stream(**enabled, thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].type == "thinking" and final.content[0].thinking == thought.content[0].thinking
+    # A client sends the thinking back with its signature in the next turn: accepted, left out of the prompt.
+    again = client.messages.create(**{**ask, "messages": [
+        {"role": "user", "content": "Think first."},
+        {"role": "assistant", "content": [b.model_dump() for b in thought.content]},
+        {"role": "user", "content": "And now?"}]})
+    assert again.content
+    with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+        client.messages.create(**ask, thinking={"type": "enabled", "budget_tokens": 1024})  # not below max_tokens
+
+
+def test_responses_carry_reasoning_items(reasoning_url):
+    import openai
+
+    client = openai.OpenAI(base_url=reasoning_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    r = client.responses.create(model="pagedserve-tiny", input="Think.", temperature=0, max_output_tokens=8)
+    # Unconstrained, the output never closes its thinking: all reasoning, cut at max_output_tokens.
+    assert [item.type for item in r.output] == ["reasoning"] and r.status == "incomplete"
+    assert r.output[0].content[0].text and r.output_text == ""
