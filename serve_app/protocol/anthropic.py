@@ -117,7 +117,7 @@ _REQUIRED = {"text": {"text": str}, "tool_use": {"id": str, "name": str, "input"
              "redacted_thinking": {}}
 _REQUIRED_NAMES = {"text": "a string `text`", "id": "a string `id`", "name": "a string `name`",
                    "input": "an object `input`", "tool_use_id": "a string `tool_use_id`",
-                   "source": "an object `source`"}
+                   "source": "an object `source`", "thinking": "a string `thinking`"}
 
 
 def _join(content: str | list[TextBlockParam]) -> str:

@@ -54,6 +54,16 @@ def test_include_reasoning_false_drops_it():
     assert out.reasoning is None and out.content == "shown"
 
 
+def test_a_thinking_block_without_its_text_is_refused_naming_it():
+    from pydantic import ValidationError
+
+    from serve_app.protocol.anthropic import MessagesRequest
+
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "thinking"}]}]
+    with pytest.raises(ValidationError, match="block 0: a thinking block needs a string `thinking`"):
+        MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": turns})
+
+
 def test_unknown_parser_is_refused_by_name():
     with pytest.raises(ValueError, match="reasoning_parser: 'o1' is not one of"):
         think_format("o1")
