@@ -77,7 +77,7 @@ SHAPED = {"structured_outputs": {"regex": "[a-z]{3,8}</think>[a-z]{3,8}"}}
 @pytest.fixture(scope="module")
 def reasoning_url(deploy_app) -> str:
     return deploy_app("reasoning", "/reasoning", model="pagedserve-tiny", num_replicas=1,
-                      reasoning_parser="deepseek_r1", engine={"max_model_len": 2560, "num_kv_blocks": 256})
+                      reasoning_parser="deepseek_r1", engine={"max_model_len": 1536, "num_kv_blocks": 128})
 
 
 def test_chat_returns_reasoning_apart_whole_and_streamed(reasoning_url):
@@ -111,7 +111,7 @@ def test_anthropic_thinking_blocks_when_enabled(reasoning_url):
                extra_body={"temperature": 0})
     plain = client.messages.create(**ask)
     assert [b.type for b in plain.content] == ["text"] and plain.content[0].text == ""
-    enabled = dict(ask, max_tokens=2048, extra_body={"temperature": 0, "ignore_eos": False})
+    enabled = dict(ask, max_tokens=1025, extra_body={"temperature": 0})  # Anthropic: 1024 <= budget < max_tokens
     thought = client.messages.create(**enabled, thinking={"type": "enabled", "budget_tokens": 1024})
     assert thought.content[0].type == "thinking" and thought.content[0].thinking.startswith(expected)
     with client.messages.stream(**enabled, thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
