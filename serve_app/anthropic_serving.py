@@ -146,7 +146,8 @@ class _Blocks:
     tool_ids: dict[int, str] = field(default_factory=dict)  # call index -> tool_use id
 
     def whole(self, content: str | None, calls: list[ToolCall] | None,
-              thinking: str | None = None) -> list[ThinkingBlock | TextBlock | ToolUseBlock]:
+              reasoning: str | None = None) -> list[ThinkingBlock | TextBlock | ToolUseBlock]:
+        thinking = reasoning if self.thinking else None
         blocks: list[ThinkingBlock | TextBlock | ToolUseBlock] = [ThinkingBlock(thinking=thinking)] if thinking \
             else []
         blocks += [TextBlock(text=content)] if content else []
@@ -160,9 +161,11 @@ class _Blocks:
         return blocks or [TextBlock(text="")]
 
     def events(self, content: str | None, deltas: list[DeltaToolCall] | None,
-               thinking: str | None = None) -> list[Event]:
-        """The stream events for one chunk's thinking, content and tool-call deltas."""
+               reasoning: str | None = None) -> list[Event]:
+        """The stream events for one chunk's reasoning (as thinking, where enabled), content and tool-call
+        deltas."""
         events: list[Event] = []
+        thinking = reasoning if self.thinking else None
         if thinking:
             if self.open_kind != "thinking":
                 events += self.open({"type": "thinking", "thinking": "", "signature": ""}, "thinking")
@@ -276,8 +279,7 @@ class AnthropicServing:
         c = final.outputs[0]
         content, calls, finish_reason, reasoning = tools.final(c.text, c.finish_reason)
         reason, sequence = stop_reason(c, finish_reason)
-        thinking = reasoning if blocks.thinking else None
-        return MessagesResponse(id=message_id, content=blocks.whole(content, calls, thinking), model=self.model_name,
+        return MessagesResponse(id=message_id, content=blocks.whole(content, calls, reasoning), model=self.model_name,
                                 stop_reason=reason, stop_sequence=sequence, usage=_usage(tally))
 
     async def _events(self, message_id: str, first: RequestOutput, rest, tools: ChoiceTools,
@@ -301,7 +303,7 @@ class AnthropicServing:
             while True:
                 c = output.outputs[0]
                 content, deltas, finish_reason, reasoning = tools.delta(c.text, c.finish_reason)
-                for event in blocks.events(content, deltas, reasoning if blocks.thinking else None):
+                for event in blocks.events(content, deltas, reasoning):
                     yield event
                 item = await anext(rest, None)
                 if item is None:

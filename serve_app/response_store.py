@@ -27,7 +27,10 @@ class ResponseStore:
     def __init__(self, limits: StoreLimits = StoreLimits(), clock=time.monotonic) -> None:
         self.limits = limits
         self.clock = clock
-        self._entries: OrderedDict[str, tuple[float, str, str]] = OrderedDict()  # id -> (stored at, response, messages)
+        self._entries: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (response, messages), LRU first
+        # id -> when stored, oldest first: with one age limit for all, the expired are always at its front, so
+        # expiring costs only the entries that expire, not a scan of the store on every call.
+        self._stored: OrderedDict[str, float] = OrderedDict()
         self._bytes = 0
         self.num_evicted = 0
 
@@ -36,7 +39,8 @@ class ResponseStore:
         size = len(response_json) + len(messages_json)
         if size > self.limits.max_bytes:
             return  # larger than the whole store: never kept
-        self._entries[response_id] = (self.clock(), response_json, messages_json)
+        self._entries[response_id] = (response_json, messages_json)
+        self._stored[response_id] = self.clock()
         self._bytes += size
         self._evict()
 
@@ -47,12 +51,13 @@ class ResponseStore:
         if entry is None:
             return None
         self._entries.move_to_end(response_id)
-        return entry[1], entry[2]
+        return entry
 
     def delete(self, response_id: str) -> bool:
         entry = self._entries.pop(response_id, None)
         if entry is not None:
-            self._bytes -= len(entry[1]) + len(entry[2])
+            del self._stored[response_id]
+            self._bytes -= len(entry[0]) + len(entry[1])
         return entry is not None
 
     def __len__(self) -> int:
@@ -64,13 +69,12 @@ class ResponseStore:
 
     def _evict(self) -> None:
         limits, oldest_kept = self.limits, self.clock() - self.limits.ttl_s
-        expired = [rid for rid, (stored, _, _) in self._entries.items() if stored < oldest_kept]
-        for rid in expired:
-            self.delete(rid)
+        while self._stored and next(iter(self._stored.values())) < oldest_kept:
+            self.delete(next(iter(self._stored)))
+            self.num_evicted += 1
         while self._entries and (len(self._entries) > limits.max_entries or self._bytes > limits.max_bytes):
             self.delete(next(iter(self._entries)))
             self.num_evicted += 1
-        self.num_evicted += len(expired)
 
 
 def shared_store(app_name: str, limits: StoreLimits):

@@ -61,3 +61,14 @@ def assert_tokens_match(
         )
         return i
     return None
+
+
+def assert_output_matches(out, reference: tuple[list[int], list[int], list[torch.Tensor]], what: str = "",
+                          logprob_tolerance: float = 1e-4) -> None:
+    """An engine RequestOutput (asked for logprobs=1) against Hugging Face's (prompt ids, greedy tokens, each
+    step's log_softmax): the same prompt, the tokens by the rule above, and each token's logprob up to a tie."""
+    prompt_ids, tokens, logprobs = reference
+    assert out.prompt_token_ids == prompt_ids, what
+    tie = assert_tokens_match(out.outputs[0].token_ids, tokens, logprobs, what=what)
+    for i, (token, entry) in enumerate(zip(out.outputs[0].token_ids[:tie], out.outputs[0].logprobs)):
+        assert abs(entry[token].logprob - float(logprobs[i][token])) < logprob_tolerance, (what, i)

@@ -541,7 +541,7 @@ class EngineCore:
     def get_stats(self) -> EngineStats:
         s, kv = self.scheduler, self.scheduler.kv_cache_manager
         expert_load = self.executor.expert_load()  # MoE models count routed tokens
-        encoder = self.batch_builder.encoder_cache
+        encoder = self.encoder_cache
         return EngineStats(
             kv_cache_usage=kv.usage,
             num_running=s.num_running,

@@ -56,6 +56,20 @@ _DEEPSEEK_V3_ARCH = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "
                      "moe_intermediate_size": 32, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
                      "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True,
                      "num_nextn_predict_layers": 1}
+# What the LLaVA built-ins share: <image> is id 32000, features from the CLIP tower's second-to-last layer.
+_LLAVA_ARCH = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_index": 32000,
+               "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+               "projector_hidden_act": "gelu", "multimodal_projector_bias": True, "bos_token_id": 1,
+               "eos_token_id": 2, "initializer_range": 0.02, "tie_word_embeddings": False, "torch_dtype": "float32"}
+_CLIP_TOWER = {"model_type": "clip_vision_model", "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5}
+# What the Qwen2.5-VL built-ins share: ChatML's and the vision tokens at ids 32000-32005 (<|im_end|> ends a
+# turn), 14-pixel patches merged 2 x 2.
+_QWEN2_5_VL_ARCH = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+                    "hidden_act": "silu", "vocab_size": 32064, "torch_dtype": "float32", "eos_token_id": [32001, 2],
+                    "vision_start_token_id": 32002, "vision_end_token_id": 32003, "image_token_id": 32004,
+                    "video_token_id": 32005}
+_QWEN2_5_VL_TOWER = {"in_channels": 3, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                     "hidden_act": "silu", "tokens_per_second": 2}
 # gpt-oss's shape at toy size: 4 layers alternating a 128-token window and full attention, attention sinks,
 # YaRN, 8 clamped-SwiGLU experts of 32 with biases, top-2.
 _GPT_OSS_ARCH = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
@@ -101,13 +115,9 @@ BUILTIN_MODELS: dict[str, dict] = {
     # LLaVA: a 3-layer CLIP tower over 32-pixel images (4 x 4 patches: 16 embeddings an image) in front of
     # pagedserve-tiny's shape; <image> is id 32000, the vocabulary padded to 32064 as llava-1.5's is.
     "pagedserve-tiny-llava": {
-        "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_index": 32000,
-        "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "projector_hidden_act": "gelu",
-        "multimodal_projector_bias": True, "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.02,
-        "tie_word_embeddings": False, "torch_dtype": "float32",
-        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
-                          "num_hidden_layers": 3, "num_attention_heads": 4, "image_size": 32, "patch_size": 8,
-                          "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5},
+        **_LLAVA_ARCH,
+        "vision_config": {**_CLIP_TOWER, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+                          "num_attention_heads": 4, "image_size": 32, "patch_size": 8},
         "text_config": {**_ARCH, **_COMMON, "model_type": "llama", "vocab_size": 32064, "hidden_size": 64,
                         "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
                         "num_key_value_heads": 2, "head_dim": 16},
@@ -116,44 +126,31 @@ BUILTIN_MODELS: dict[str, dict] = {
     # 224 x 224 pixels makes up to 64 embeddings) in front of pagedserve-tiny's shape as a Qwen2 language
     # model with M-RoPE; ChatML and the vision tokens are ids 32000-32005.
     "pagedserve-tiny-qwen2.5-vl": {
-        **_COMMON, "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
-        "hidden_act": "silu", "vocab_size": 32064, "hidden_size": 64, "intermediate_size": 192,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "float32",
-        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}, "eos_token_id": [32001, 2],
-        "vision_start_token_id": 32002, "vision_end_token_id": 32003, "image_token_id": 32004,
-        "video_token_id": 32005,
-        "vision_config": {"depth": 4, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "in_channels": 3,
-                          "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
-                          "window_size": 56, "fullatt_block_indexes": [1, 3], "hidden_act": "silu",
-                          "tokens_per_second": 2},
+        **_COMMON, **_QWEN2_5_VL_ARCH, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "vision_config": {**_QWEN2_5_VL_TOWER, "depth": 4, "hidden_size": 32, "intermediate_size": 64,
+                          "num_heads": 4, "out_hidden_size": 64, "window_size": 56, "fullatt_block_indexes": [1, 3]},
     },
     # Benchmarks (benchmarks/multimodal.py): realistic proportions at CPU size. pagedserve-56m behind a ViT-S
     # (hidden 384, 12 layers, 6 heads) in each family's layout: LLaVA's CLIP over 224-pixel images in 14-pixel
     # patches (256 embeddings an image, from the second-to-last layer), and Qwen2.5-VL's windowed tower over
     # images of up to 448 x 448 pixels (up to 256 embeddings, a full-attention block every fourth).
     "pagedserve-56m-llava": {
-        "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_index": 32000,
-        "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "projector_hidden_act": "gelu",
-        "multimodal_projector_bias": True, "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.02,
-        "tie_word_embeddings": False, "torch_dtype": "float32",
-        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 384, "intermediate_size": 1536,
-                          "num_hidden_layers": 12, "num_attention_heads": 6, "image_size": 224, "patch_size": 14,
-                          "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5},
+        **_LLAVA_ARCH,
+        "vision_config": {**_CLIP_TOWER, "hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 12,
+                          "num_attention_heads": 6, "image_size": 224, "patch_size": 14},
         "text_config": {**_ARCH, **_COMMON, "model_type": "llama", "vocab_size": 32064, "hidden_size": 512,
                         "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8,
                         "num_key_value_heads": 4, "head_dim": 64},
     },
     "pagedserve-56m-qwen2.5-vl": {
-        **_COMMON, "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
-        "hidden_act": "silu", "vocab_size": 32064, "hidden_size": 512, "intermediate_size": 1376,
-        "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4, "torch_dtype": "float32",
-        "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]}, "eos_token_id": [32001, 2],
-        "vision_start_token_id": 32002, "vision_end_token_id": 32003, "image_token_id": 32004,
-        "video_token_id": 32005,
-        "vision_config": {"depth": 12, "hidden_size": 384, "intermediate_size": 1024, "num_heads": 6,
-                          "in_channels": 3, "out_hidden_size": 512, "patch_size": 14, "spatial_merge_size": 2,
-                          "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [3, 7, 11],
-                          "hidden_act": "silu", "tokens_per_second": 2},
+        **_COMMON, **_QWEN2_5_VL_ARCH, "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
+        "num_attention_heads": 8, "num_key_value_heads": 4,
+        "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]},
+        "vision_config": {**_QWEN2_5_VL_TOWER, "depth": 12, "hidden_size": 384, "intermediate_size": 1024,
+                          "num_heads": 6, "out_hidden_size": 512, "window_size": 112,
+                          "fullatt_block_indexes": [3, 7, 11]},
     },
     "pagedserve-tiny-deepseek-v3": {
         **_COMMON, **_DEEPSEEK_V3_ARCH, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 3,
@@ -256,13 +253,7 @@ _QWEN_VL_IMAGE_PROCESSOR = {
     "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
     "image_std": [0.26862954, 0.26130258, 0.27577711], "resample": 3, "do_convert_rgb": True,
 }
-# The benchmark models' processors: CLIP's at 224 pixels, Qwen2-VL's up to 448 x 448.
-_LLAVA_224_IMAGE_PROCESSOR = {
-    "image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 224},
-    "crop_size": {"height": 224, "width": 224}, "do_resize": True, "do_center_crop": True, "do_rescale": True,
-    "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
-    "image_std": [0.26862954, 0.26130258, 0.27577711], "resample": 3, "do_convert_rgb": True,
-}
+# The benchmark model's: up to 448 x 448.
 _QWEN_VL_448_IMAGE_PROCESSOR = {**_QWEN_VL_IMAGE_PROCESSOR,
                                 "size": {"shortest_edge": 56 * 56, "longest_edge": 448 * 448}}
 
@@ -279,6 +270,8 @@ _LLAVA_IMAGE_PROCESSOR = {
     "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
     "resample": 3, "do_convert_rgb": True,
 }
+_LLAVA_224_IMAGE_PROCESSOR = {**_LLAVA_IMAGE_PROCESSOR, "size": {"shortest_edge": 224},
+                              "crop_size": {"height": 224, "width": 224}}
 
 
 @dataclass(frozen=True)

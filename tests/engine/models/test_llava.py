@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from engine import LLM, SamplingParams
-from tests.parity import assert_tokens_match
+from tests.parity import assert_output_matches
 
 TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=1)
@@ -63,11 +63,7 @@ def test_greedy_tokens_and_logprobs_equal_hugging_face(llava, references, mode):
     prompts = [{"prompt": prompt, "multi_modal_data": {"image": images}} for prompt, images in CASES.values()]
     outputs = llm.generate(prompts * 2, GREEDY, use_tqdm=False)  # twice: the second round from the prefix cache
     for name, out in zip(list(CASES) * 2, outputs):
-        prompt_ids, tokens, logprobs = references[name]
-        assert out.prompt_token_ids == prompt_ids, name
-        tie = assert_tokens_match(out.outputs[0].token_ids, tokens, logprobs, what=name)
-        for i, (token, entry) in enumerate(zip(out.outputs[0].token_ids[:tie], out.outputs[0].logprobs)):
-            assert abs(entry[token].logprob - float(logprobs[i][token])) < 1e-4, name
+        assert_output_matches(out, references[name], what=name)
 
 
 def test_siglip_tower_equals_hugging_face(tmp_path):
@@ -81,11 +77,7 @@ def test_siglip_tower_equals_hugging_face(tmp_path):
     outputs = llm.generate([{"prompt": p, "multi_modal_data": {"image": i}} for p, i in cases.values()], GREEDY,
                            use_tqdm=False)
     for (prompt, images), out in zip(cases.values(), outputs):
-        prompt_ids, tokens, logprobs = _hf(path, prompt, images)
-        assert out.prompt_token_ids == prompt_ids
-        tie = assert_tokens_match(out.outputs[0].token_ids, tokens, logprobs, what=prompt)
-        for i, (token, entry) in enumerate(zip(out.outputs[0].token_ids[:tie], out.outputs[0].logprobs)):
-            assert abs(entry[token].logprob - float(logprobs[i][token])) < 1e-4, prompt
+        assert_output_matches(out, _hf(path, prompt, images), what=prompt)
 
 
 def test_prefix_cache_keys_blocks_by_their_images(llava):

@@ -16,7 +16,7 @@ from PIL import Image
 from engine import LLM, SamplingParams
 from engine.multimodal.mrope import mrope_positions
 from tests.conftest import write_qwen_vl_checkpoint
-from tests.parity import assert_tokens_match
+from tests.parity import assert_output_matches, assert_tokens_match
 
 TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=1)
@@ -69,11 +69,7 @@ def _check(llm: LLM, references: dict, cases: dict) -> list:
     prompts = [{"prompt": prompt, "multi_modal_data": {"image": images}} for prompt, images in cases.values()]
     outputs = llm.generate(prompts * 2, GREEDY, use_tqdm=False)  # twice: the second round from the prefix cache
     for name, out in zip(list(cases) * 2, outputs):
-        prompt_ids, tokens, logprobs = references[name]
-        assert out.prompt_token_ids == prompt_ids, name
-        tie = assert_tokens_match(out.outputs[0].token_ids, tokens, logprobs, what=name)
-        for i, (token, entry) in enumerate(zip(out.outputs[0].token_ids[:tie], out.outputs[0].logprobs)):
-            assert abs(entry[token].logprob - float(logprobs[i][token])) < 1e-4, name
+        assert_output_matches(out, references[name], what=name)
     return outputs
 
 
