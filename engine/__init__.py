@@ -23,6 +23,8 @@ _EXPORTS = {
     "CompletionOutput": "engine.outputs",
     "Logprob": "engine.outputs",
     "RequestMetrics": "engine.outputs",
+    "PoolingParams": "engine.pooling.params",
+    "PoolingRequestOutput": "engine.outputs",
     "EngineStats": "engine.stats",
     "EngineOverloadedError": "engine.errors",
     "EngineDeadError": "engine.errors",
@@ -41,8 +43,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs; `as` marks each a re-export
     from engine.lora.request import LoRARequest as LoRARequest
     from engine.outputs import CompletionOutput as CompletionOutput
     from engine.outputs import Logprob as Logprob
+    from engine.outputs import PoolingRequestOutput as PoolingRequestOutput
     from engine.outputs import RequestMetrics as RequestMetrics
     from engine.outputs import RequestOutput as RequestOutput
+    from engine.pooling.params import PoolingParams as PoolingParams
     from engine.sampling_params import RequestOutputKind as RequestOutputKind
     from engine.sampling_params import SamplingParams as SamplingParams
     from engine.sampling_params import StructuredOutputsParams as StructuredOutputsParams

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.kv_transfer.config import KVTransferConfig
+from engine.pooling.config import PoolerConfig
 from engine.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -25,6 +26,14 @@ class EngineConfig(BaseModel):
         description="A built-in model name (see engine.models.builtin), a local Hugging Face folder, "
         "or a Hugging Face hub id (downloaded into the hub cache)."
     )
+    task: Literal["generate", "embed"] = Field(
+        "generate",
+        description="`generate` samples tokens; `embed` runs the model as an embedder (vLLM's pooling runner): each "
+        "request's prompt is computed in prefill-only steps and pooled into one vector as `pooler_config` (or the "
+        "checkpoint's sentence-transformers files) says; it holds no KV once its prompt is done.",
+    )
+    pooler_config: PoolerConfig | None = Field(
+        None, description="task 'embed': override the checkpoint's pooling (e.g. {'pooling_type': 'mean'}).")
     tokenizer: str | None = Field(None, description="Tokenizer folder or hub id; defaults to `model`.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of `model`.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -218,6 +227,23 @@ class EngineConfig(BaseModel):
             # The MTP layer drafts from the last step's hidden states; pipelined steps are still in flight then.
             raise ValueError("speculative_config: method='mtp' does not run with pipeline_parallel_size > 1 yet; "
                              "use tensor parallelism or method='ngram'")
+        return self
+
+    @model_validator(mode="after")
+    def _check_task(self) -> EngineConfig:
+        if self.task == "generate":
+            if self.pooler_config is not None:
+                raise ValueError("pooler_config: set only with task='embed'")
+            return self
+        # An embedding request samples nothing and is done with its prompt: no drafts to verify, no KV for a
+        # consumer. Adapters and pipeline stages have not been wired to pooling yet.
+        refused = {"speculative_config": self.speculative_config is not None,
+                   "kv_transfer_config": self.kv_transfer_config is not None,
+                   "enable_lora": self.enable_lora, "pipeline_parallel_size": self.pipeline_parallel_size > 1}
+        for name, set_ in refused.items():
+            if set_:
+                raise ValueError(f"{name}: not supported with task='embed'; an embedding engine pools prompts only "
+                                 "(tensor parallelism and quantization do apply)")
         return self
 
     @model_validator(mode="after")

@@ -23,7 +23,8 @@ from engine.models.builtin import BUILTIN_MODELS
 from engine.models.config import ModelConfig
 from engine.models.layers.quantization import QuantizationConfig, resolve_quant_config
 from engine.models.model_path import resolve_model_path
-from engine.models.registry import model_class
+from engine.models.registry import MTP_ARCHITECTURE, model_class
+from engine.pooling.config import PoolerConfig, resolve_pooler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,6 +37,7 @@ class ModelSpec:
     device_type: str  # cpu or cuda
     max_model_len: int
     quant_config: QuantizationConfig | None = None
+    pooler_config: PoolerConfig | None = None  # task 'embed': how prompts are pooled (engine/pooling)
 
     @classmethod
     def resolve(cls, config: EngineConfig) -> ModelSpec:
@@ -46,7 +48,9 @@ class ModelSpec:
         check_devices(config, device_type)
         model_config = engine_model_config(config, model_config)
         dtype = resolve_dtype(config.dtype, model_config, device_type)
-        return cls(model_config, path, dtype, device_type, resolve_max_model_len(config, model_config), quant_config)
+        pooler = resolve_pooler(path, config.pooler_config) if config.task == "embed" else None
+        return cls(model_config, path, dtype, device_type, resolve_max_model_len(config, model_config), quant_config,
+                   pooler)
 
 
 def check_config(config: EngineConfig, model_config: ModelConfig) -> QuantizationConfig | None:
@@ -63,6 +67,7 @@ def check_config(config: EngineConfig, model_config: ModelConfig) -> Quantizatio
     check_latent_attention(config, model_config)
     check_mtp(config, model_config)
     check_vision(config, model_config, quant_config)
+    check_task(config, model_config)
     check_rank_layers(config, engine_model_config(config, model_config), quant_config)
     return quant_config
 
@@ -117,6 +122,16 @@ def check_vision(config: EngineConfig, cfg: ModelConfig, quant_config: Quantizat
     if quant_config is not None:
         raise ValueError(f"quantization: {quant_config.name} is not supported for {cfg.architecture} yet; serve it "
                          "unquantized")
+
+
+def check_task(config: EngineConfig, cfg: ModelConfig) -> None:
+    """A checkpoint without its LM head (a base model saved as an embedder) can only embed; embedding runs the
+    decoder's text path, which a vision-language model's images and a draft-only layer are not."""
+    if config.task == "generate" and cfg.headless:
+        raise ValueError(f"task: {cfg.architecture} is a base model without an LM head; it cannot generate. Serve it "
+                         "with task='embed'")
+    if config.task == "embed" and (cfg.vision is not None or cfg.architecture == MTP_ARCHITECTURE):
+        raise ValueError(f"task: 'embed' is not supported for {cfg.architecture}; embed with a text model")
 
 
 def local_model_config(model: str) -> ModelConfig | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 
 def reduce_positional(self):
     """Pickle as the constructor's positional arguments. Outputs cross from the engine process every step;
@@ -107,6 +109,42 @@ class RequestOutput:
     error: str | None = None  # set when this request failed on its own (finish_reason "error")
     # Set on a KV producer's final output: where a consumer finds the prompt's KV (engine/kv_transfer).
     kv_transfer_params: dict | None = None
+
+    __reduce__ = reduce_positional
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """An embedder's vector for one prompt (vLLM's PoolingOutput / EmbeddingOutput)."""
+
+    data: np.ndarray  # float32 [dimensions]
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+    __reduce__ = reduce_positional
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """The one, final output of an embedding request (EngineConfig.task 'embed'); `outputs` is None when it
+    failed (`error`) or was aborted."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput | None
+    finished: bool = True
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        """As a RequestOutput's samples say theirs: "stop" once pooled, "error" or "abort" otherwise."""
+        if not self.finished:
+            return []
+        return ["stop" if self.outputs is not None else "error" if self.error else "abort"]
 
     __reduce__ = reduce_positional
 

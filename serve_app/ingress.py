@@ -20,13 +20,15 @@ from ray.serve.handle import DeploymentHandle
 
 from engine.frontend.input_processor import InputProcessor
 from engine.multimodal.media import MediaSettings
-from serve_app import lora_routes, replica_context, responses_serving, tracing
+from serve_app import embeddings_serving, lora_routes, replica_context, responses_serving, tracing
 from serve_app.anthropic_serving import AnthropicServing, add_routes
 from serve_app.app_args import AppArgs
+from serve_app.embeddings_serving import EmbeddingsServing
 from serve_app.http_api import build_http_app
 from serve_app.lora_registry import LoRARegistry
 from serve_app.openai_serving import OpenAIServing
 from serve_app.protocol.anthropic import MessagesRequest
+from serve_app.protocol.embeddings import EmbeddingRequest
 from serve_app.protocol.openai import ChatCompletionRequest, CompletionRequest
 from serve_app.protocol.responses import ResponsesRequest
 from serve_app.response_store import StoreLimits, shared_store
@@ -61,8 +63,10 @@ class ClientFrontend:
         limits = StoreLimits(args.responses_store_max_entries, args.responses_store_max_bytes,
                              args.responses_store_ttl_s)
         self.responses_api = ResponsesServing(self.openai, lambda: shared_store(_app_name(args), limits))
+        self.embeddings_api = EmbeddingsServing(self.openai)
         self.extra_routes = [lambda app: add_routes(app, self.anthropic),
-                             lambda app: responses_serving.add_routes(app, self.responses_api)]
+                             lambda app: responses_serving.add_routes(app, self.responses_api),
+                             lambda app: embeddings_serving.add_routes(app, self.embeddings_api)]
         if args.allow_runtime_lora_updating:
             self.extra_routes.append(lambda app: lora_routes.add_routes(app, self.lora))
 
@@ -92,6 +96,11 @@ class ClientFrontend:
             result = await self.responses_api.create(request)
             async for item in _as_stream(result, request.stream):
                 yield item
+
+    async def embeddings(self, request: EmbeddingRequest | dict, trace_context: dict | None = None) -> AsyncGenerator:
+        """Embeddings (an app whose engine runs task 'embed'): one EmbeddingResponse."""
+        with tracing.handle_span("embeddings", trace_context):
+            yield await self.embeddings_api.create(EmbeddingRequest.model_validate(request))
 
     async def messages(self, request: MessagesRequest | dict, trace_context: dict | None = None) -> AsyncGenerator:
         """Anthropic Messages: one MessagesResponse, or (event name, data) pairs when stream=True."""

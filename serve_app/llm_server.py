@@ -23,7 +23,7 @@ from engine.config import EngineConfig
 from engine.core.prepared_request import PreparedRequest
 from engine.frontend.async_llm import AsyncLLM
 from engine.kv_transfer import KVTransferConfig
-from engine.outputs import RequestOutput, StepTiming
+from engine.outputs import PoolingRequestOutput, RequestOutput, StepTiming
 from engine.stats import EngineStats
 from serve_app import replica_context, tracing
 from serve_app.cpu_utilization import CpuUtilization
@@ -291,6 +291,9 @@ class _RequestTrace:
         if output.metrics is not None:
             for step in output.metrics.steps:  # only with tracing.detailed (EngineConfig.collect_step_timings)
                 self._step_span(step)
+        if isinstance(output, PoolingRequestOutput):  # an embedding: no samples, no text
+            self.finish_reasons.update(enumerate(output.finish_reasons))
+            return
         for c in output.outputs:
             if c.finish_reason is not None:
                 self.finish_reasons[c.index] = c.finish_reason

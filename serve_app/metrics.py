@@ -12,7 +12,7 @@ from collections import deque
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
-from engine.outputs import RequestOutput
+from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.stats import EngineStats
 
 _PREFIX = "pagedserve_"
@@ -96,12 +96,15 @@ class EngineMetrics:
     def count_lora_request(self, lora_name: str) -> None:
         self.lora_requests.inc(1, tags={**self.tags, "lora_name": lora_name})
 
-    def observe(self, output: RequestOutput) -> None:
-        """Called for every delta a request streams: counts finished samples, and records latencies
-        when the request as a whole finishes."""
-        for completion in output.outputs:
-            if completion.finish_reason is not None:
-                self.success.inc(1, tags={**self.tags, "finished_reason": completion.finish_reason})
+    def observe(self, output: RequestOutput | PoolingRequestOutput) -> None:
+        """Called for every delta a request streams: counts finished samples (an embedding counts as one), and
+        records latencies when the request as a whole finishes."""
+        if isinstance(output, PoolingRequestOutput):
+            reasons = output.finish_reasons
+        else:
+            reasons = [c.finish_reason for c in output.outputs if c.finish_reason is not None]
+        for reason in reasons:
+            self.success.inc(1, tags={**self.tags, "finished_reason": reason})
         m = output.metrics
         if not output.finished or m is None:
             return

@@ -151,6 +151,15 @@ class OpenAIServing:
             cards.append(ModelCard(id=entry.name, root=entry.path, parent=self.model_name, max_model_len=max_len))
         return cards
 
+    def check_task(self, task: str, route: str) -> None:
+        """400 when this app's engine runs another task than `route` needs (generation or embedding)."""
+        served = self.processor.config.task
+        if served != task:
+            remedy = ("deploy an embedding model with engine task 'embed'" if task == "embed"
+                      else "it answers /v1/embeddings only")
+            raise APIError(400, f"task: {self.model_name} is served with task '{served}'; {route} needs task "
+                           f"'{task}': {remedy}", param="model", code="unsupported_task")
+
     def response_model(self, req) -> str:
         """The model name a response carries: the one the request named (an adapter's), else the base model's."""
         return req.model or self.model_name
@@ -286,18 +295,24 @@ class OpenAIServing:
             items = [prompt]
         else:
             items = list(prompt)
+        return await self.tokenize_prompts(items, "prompt")
+
+    async def tokenize_prompts(self, items: list[str | list[int]], param: str) -> list[_Prompt]:
+        """Each text tokenized (off the event loop when large) or token-id prompt checked; 400 naming `param`."""
         if not items:
-            raise APIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
+            raise APIError(400, f"{param}: must not be empty", param=param, code="invalid_value")
         try:
             with tracing.span("tokenize", prompts=len(items)):
                 ids = await tokenize_off_loop_if_large(text_chars(items),
                                                        lambda: [self.processor.tokenize(p) for p in items])
         except ValueError as e:
-            raise from_exception(e) from e
+            # The processor names its argument `prompt`; the route's field may be another (`input`).
+            raise from_exception(ValueError(str(e).replace("prompt:", f"{param}:", 1))) from e
         return [_Prompt(token_ids, p if isinstance(p, str) else None) for token_ids, p in zip(ids, items)]
 
     async def completions(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[CompletionResponse]:
         """Validates everything first (raising APIError), then returns the response or a chunk stream."""
+        self.check_task("generate", "/v1/completions")
         self.check_model(req.model)
         prompts = await self.completion_prompts(req)
         so = await self.structured_outputs(req)
@@ -422,6 +437,7 @@ class OpenAIServing:
             return await asyncio.get_running_loop().run_in_executor(self.media_pool, load_images, sources, self.media)
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[ChatCompletionChunk]:
+        self.check_task("generate", "/v1/chat/completions")
         self.check_model(req.model)
         plan = plan_tools(req, self.tool_parser, self.harmony, self.think)
         prompt = await self.chat_prompt(req)

@@ -4,7 +4,7 @@ tokens, adds the KV connector's loads and saves, and notes which logit rows each
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from engine.executor.model_input import ModelInput
 from engine.kv_transfer.base import KVConnector
 from engine.multimodal.inputs import MultiModalInput
 from engine.multimodal.mrope import mrope_positions
+from engine.pooling.pooler import Pooler
 from engine.spec_decode.drafter import Drafter
 
 
@@ -31,21 +32,24 @@ class StepPlan:
     num_sampled: int  # logit rows of the samplers (one per verified position); prompt logprob rows follow
     prompt_rows: list[tuple[int, int, int, int]]  # (index in so.requests, first position, count, row)
     draft_probs: dict[int, torch.Tensor]
+    pooled: list[tuple[int, int]] = field(default_factory=list)  # an embedder's: (index in so.requests, start)
 
 
 class BatchBuilder:
     def __init__(self, config: EngineConfig, block_tables: list[BlockTable], drafter: Drafter | None,
                  kv_connector: KVConnector | None, encoder_cache: EncoderCache | None = None,
-                 mrope_merge: int | None = None) -> None:
+                 mrope_merge: int | None = None, pooler: Pooler | None = None) -> None:
         """`block_tables`: one per KV cache group (engine/core/kv_cache_groups.py), the primary group's first.
         `encoder_cache`: a vision-language model's (images' embeddings). `mrope_merge`: an M-RoPE model's
-        spatial merge size (its image tokens' positions follow their merged patch grid)."""
+        spatial merge size (its image tokens' positions follow their merged patch grid). `pooler`: an embedder's
+        (its requests pool rows instead of sampling)."""
         self.block_size = config.block_size
         self.enable_lora = config.enable_lora
         self.block_table, self.window_tables = block_tables[0], block_tables[1:]
         self.drafter, self.kv_connector = drafter, kv_connector
         self.encoder_cache = encoder_cache
         self.mrope_merge = mrope_merge
+        self.pooler = pooler
 
     @torch.inference_mode()
     def build(self, so: SchedulerOutput, kv: KVCacheManager) -> StepPlan:
@@ -64,6 +68,8 @@ class BatchBuilder:
         prompt_rows: list[tuple[int, int, int, int]] = []  # (index in so.requests, first position, count, row)
         images: list[MultiModalInput] = []  # whose placeholder tokens this step computes
         placements: list[tuple[str, int, int, int]] = []  # (image hash, first embedding, count, first row)
+        pooled: list[tuple[int, int]] = []  # an embedder's requests that pool this step: (index, start)
+        segments: list[tuple[int, int]] = []  # and their rows: (first row, count)
         num_tokens = 0
         for j in order:
             request, n = so.requests[j], so.num_scheduled_tokens[j]
@@ -82,7 +88,12 @@ class BatchBuilder:
             if self.window_tables:  # a window group's list is as long as the primary's (null where it skipped)
                 for table, g_rows, ids in zip(self.window_tables, window_rows, kv.get_window_block_ids(request)):
                     g_rows.append(table.sync(request.request_id, ids)[0])
-            if start + n == request.num_tokens + len(drafts):
+            if self.pooler is not None:
+                pooled_rows = self.pooler.rows(start, n, request.num_prompt_tokens)
+                if pooled_rows is not None:
+                    pooled.append((j, start))
+                    segments.append((num_tokens + pooled_rows[0], pooled_rows[1]))
+            elif start + n == request.num_tokens + len(drafts):
                 samplers.append(j)
                 if drafts:  # every verified position: the last token's and each draft's
                     logit_rows.extend(range(num_tokens + n - 1 - len(drafts), num_tokens + n))
@@ -110,6 +121,8 @@ class BatchBuilder:
         inp = ModelInput.build(input_ids, starts, q_lens, self.block_table.table[rows, :width], self.block_size,
                                logit_rows, lora_slots,
                                [t.table[r, :width] for t, r in zip(self.window_tables, window_rows)])
+        if segments:
+            inp.pool_segments = np.asarray(segments, dtype=np.int64)
         if placements:
             inp.mm_encode, inp.mm_evict = self.encoder_cache.plan(images)
             inp.mm_placements = placements
@@ -123,7 +136,7 @@ class BatchBuilder:
             meta = self.kv_connector.build_connector_meta(so.requests, so.num_scheduled_tokens,
                                                           [kv.get_block_ids(r) for r in so.requests])
             inp.kv_meta = meta or None
-        return StepPlan(so, inp, samplers, num_sampled, prompt_rows, draft_probs)
+        return StepPlan(so, inp, samplers, num_sampled, prompt_rows, draft_probs, pooled)
 
     def release(self, request_ids: list[str]) -> None:
         """Forget per-request state of requests that left the running set."""

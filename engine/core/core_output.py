@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.outputs import PromptLogprobs, SampleLogprobs, StepTiming, reduce_positional
 
 
@@ -30,6 +32,7 @@ class EngineCoreOutput:
     finished_time: float | None = None
     preempted_times: tuple[float, ...] = ()
     steps: tuple[StepTiming, ...] = ()  # steps since the previous output (EngineConfig.collect_step_timings)
+    pooled: np.ndarray | None = None  # an embedder's request, on its finished output: the embedding (float32)
 
     @property
     def finished(self) -> bool:

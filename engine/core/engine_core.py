@@ -37,6 +37,7 @@ from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
 from engine.model_spec import ModelSpec
 from engine.outputs import Logprob, StepTiming
+from engine.pooling.pooler import Pooler
 from engine.sample.sampler import Sampler, sample_seed
 from engine.sample.step_sampler import LogprobEntry, StepOutput, StepSampler
 from engine.sampling_params import RequestOutputKind
@@ -113,8 +114,10 @@ class EngineCore:
                 tokenizer, self.model_config.vocab_size, eos_token_ids, config.max_num_seqs
             )
             mrope_merge = spec.model_config.vision.spatial_merge_size if spec.model_config.mrope_section else None
+            self.pooler_config = spec.pooler_config
+            self.pooler = Pooler(spec.pooler_config) if spec.pooler_config is not None else None
             self.batch_builder = BatchBuilder(config, block_tables, drafter, self.kv_connector, self.encoder_cache,
-                                              mrope_merge)
+                                              mrope_merge, self.pooler)
             self.step_sampler = StepSampler(sampler, device, self.model_config.vocab_size, self.structured_output)
         except BaseException:
             self.shutdown()
@@ -171,6 +174,9 @@ class EngineCore:
     def add_request(self, prepared: PreparedRequest) -> None:
         """Enqueue a prepared request as its n samples. ValueError (nothing enqueued) if it cannot run here."""
         rid, params = prepared.request_id, prepared.sampling_params
+        if prepared.is_pooling != (self.pooler is not None):
+            raise ValueError(f"pooling_params: this engine runs task='{self.config.task}'; it takes "
+                             f"{'embedding' if self.pooler is not None else 'generation'} requests only")
         if rid in self._children or (self.kv_connector is not None and self.kv_connector.holds(rid)):
             raise ValueError(f"request_id: {rid!r} is already in flight (or its KV is held for a consumer)")
         room = self.max_model_len - len(prepared.prompt_token_ids)
@@ -201,6 +207,8 @@ class EngineCore:
                 lora=adapter,
                 mm_inputs=prepared.mm_inputs,
                 block_hashes=hashes,  # one list for every sample: a sample extends it into a new list
+                pooling_params=prepared.pooling_params,
+                skip_reading_prefix_cache=prepared.is_pooling and self.pooler_config.reads_every_position,
             )
             for i in range(params.n)
         ]
@@ -332,6 +340,7 @@ class EngineCore:
                 r.stop_reason, r.error, max(r.num_cached_tokens, 0), prompt_logprobs,
                 r.kv_transfer_result if finished else None, r.first_scheduled_time, r.first_token_time,
                 r.last_token_time, r.finished_time, tuple(r.preempted_times) if r.preempted_times else (), steps,
+                r.pooled if finished else None,
             ))
             if finished:
                 self._forget_if_done(r.external_id)
@@ -344,7 +353,24 @@ class EngineCore:
     def _sample(self, plan: StepPlan, logits: torch.Tensor | None) -> StepOutput:
         if plan.inp.kv_meta is not None:  # every rank ran the step: its loads are done
             self.kv_connector.loads_done(plan.inp.kv_meta)
+        if self.pooler is not None:  # `logits` are an embedder's pooled sums, one row per plan.pooled
+            self._pool(plan, logits)
+            return StepOutput.empty(len(plan.so.requests))
         return self.step_sampler.sample(plan, logits)
+
+    def _pool(self, plan: StepPlan, sums: torch.Tensor | None) -> None:
+        """Add the step's pooled rows to each request's sum; a request whose prompt this step completes gets its
+        embedding (the scheduler then finishes it)."""
+        so = plan.so
+        for (j, start), row in zip(plan.pooled, sums if sums is not None else ()):
+            request = so.requests[j]
+            request.pooled_sum = self.pooler.accumulate(request.pooled_sum, start, row)
+        for request, num_tokens in zip(so.requests, so.num_scheduled_tokens):
+            # Not yet advanced past this step: its prompt is done when the step's tokens reach the end.
+            if request.num_computed_tokens + num_tokens == request.num_prompt_tokens:
+                request.pooled = self.pooler.finish(request.pooled_sum, request.num_prompt_tokens,
+                                                    request.pooling_params)
+                request.pooled_sum = None
 
     def _step_pipelined(self) -> list[Request]:
         """Pipeline parallelism: up to pipeline_parallel_size steps in flight. A new step is submitted

@@ -48,7 +48,8 @@ class KVCacheManager:
         always left to compute, since sampling needs its logits."""
         hit = ComputedBlocks()
         hit.window_hits = []
-        if not self.enable_caching or request.wants_prompt_logprobs:  # those need every prompt position's logits
+        # Prompt logprobs need every prompt position's logits; mean and CLS pooling every position's state.
+        if not self.enable_caching or request.wants_prompt_logprobs or request.skip_reading_prefix_cache:
             return hit
         num_blocks = self._longest_hit(request, (request.num_tokens - 1) // self.block_size)
         groups = (self, *self.window_groups)  # a window's reach moves with the prefix: check each again

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from engine.lora.request import LoRARequest
 from engine.multimodal.inputs import MultiModalInput
+from engine.pooling.params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -34,3 +35,10 @@ class PreparedRequest:
     # Filled by the prefix router in the caller's process: prompt blocks each candidate replica is estimated
     # to hold (the P/D orchestrator's uncached length for the replica Serve picked).
     routed_matched_blocks: dict[str, int] = field(default_factory=dict)
+    # An embedding request (EngineConfig.task 'embed'): it pools its prompt; its sampling_params are
+    # POOLING_SAMPLING_PARAMS, which only the engine's per-request bookkeeping reads.
+    pooling_params: PoolingParams | None = None
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None

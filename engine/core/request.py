@@ -14,8 +14,12 @@ from engine.outputs import PromptLogprobs, SampleLogprobs, StepTiming
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
     from engine.lora.peft import LoRAAdapter
     from engine.multimodal.inputs import MultiModalInput
+    from engine.pooling.params import PoolingParams
     from engine.structured_output.manager import GrammarState
 
 
@@ -62,6 +66,10 @@ class Request:
     kv_transfer_result: dict | None = None
     lora: LoRAAdapter | None = None  # the adapter it runs with (held here: its weights are what it was hashed with)
     mm_inputs: list[MultiModalInput] = field(default_factory=list)  # the prompt's images (engine/multimodal)
+    # An embedder's request (engine/pooling): it pools its prompt and samples nothing. Mean and CLS pooling read
+    # the first positions, so such requests never start from a prefix-cache hit.
+    pooling_params: PoolingParams | None = None
+    skip_reading_prefix_cache: bool = False
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -93,6 +101,8 @@ class Request:
     prompt_logprobs_emitted: bool = False
     grammar: GrammarState | None = None  # structured outputs: this sample's compile and matcher
     lora_slot: int = -1  # the device slot of its adapter while it runs (engine/lora/manager.py); -1: none
+    pooled_sum: torch.Tensor | None = None  # an embedder's running sum of its pooled rows, until the prompt is done
+    pooled: np.ndarray | None = None  # then its embedding
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -338,7 +338,8 @@ class Scheduler:
         """Advance each scheduled request by its computed tokens and append its sampled token (None
         for a prefill chunk that does not reach the end, or a request that failed); a request that
         verified drafts (request.spec_token_ids) first appends the accepted ones, num_accepted_drafts[j]
-        for out.requests[j]. Returns the requests that got a token, finished ones included."""
+        for out.requests[j]. Returns the requests that got a token, finished ones included (an embedder's
+        request finishes, tokenless, with its prompt)."""
         kv = self.kv_cache_manager
         block_size = kv.block_size
         updated = []
@@ -359,6 +360,9 @@ class Scheduler:
             if computed // block_size != (computed - num_tokens) // block_size or request.kv_transfer_params:
                 kv.cache_computed_blocks(request)
             if token is None:
+                if request.pooling_params is not None and computed >= request.num_prompt_tokens:
+                    self._finish(request, RequestStatus.FINISHED_STOPPED)  # pooled: done with its prompt
+                    updated.append(request)
                 continue
             request.append_output_token(token)
             self.num_generation_tokens += 1

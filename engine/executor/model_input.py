@@ -47,6 +47,9 @@ class ModelInput:
     # M-RoPE models (Qwen-VL), in a step where some request has images: int64 [3, num_tokens]
     # (engine/multimodal/mrope.py); `positions` still places the KV.
     mrope_positions: np.ndarray | None = None
+    # An embedder's step (engine/pooling): int64 [k, 2], the (first row, count) of each pooling request's rows
+    # the driver returns summed in place of logits.
+    pool_segments: np.ndarray | None = None
 
     @classmethod
     def build(cls, input_ids: list[int], starts: list[int], q_lens: list[int], block_tables: np.ndarray,

@@ -28,6 +28,7 @@ from engine.lora.layers import LoRASlots
 from engine.lora.peft import LoRAAdapter
 from engine.model_spec import ModelSpec
 from engine.models.loader import build_model, weight_bytes
+from engine.pooling.pooler import segment_sums
 from ops.attention import get_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -79,11 +80,11 @@ class Worker:
         load_format = "safetensors" if config.load_format == "auto" else config.load_format
         if groups is None:
             self.model = build_model(spec.model_config, spec.path, load_format, spec.dtype, device, config.seed,
-                                     config.max_num_seqs, spec.quant_config)
+                                     config.max_num_seqs, spec.quant_config, config.task == "generate")
         else:
             with parallel_groups(groups):
                 self.model = build_model(spec.model_config, spec.path, load_format, spec.dtype, device,
-                                         config.seed, config.max_num_seqs, spec.quant_config)
+                                         config.seed, config.max_num_seqs, spec.quant_config, config.task == "generate")
         # Adapter slots: the model's projections wrapped, loaded through Executor.collective_rpc.
         self.lora = LoRASlots(self.model, config.max_loras, config.max_lora_rank, spec.dtype, device) \
             if config.enable_lora else None
@@ -176,7 +177,8 @@ class Worker:
 
     @torch.inference_mode()
     def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
-        """Run this rank's part of the step; the logits of `inp.logit_rows` on the driver, else None."""
+        """Run this rank's part of the step; on the driver the logits of `inp.logit_rows`, or an embedder's
+        pooled sums of `inp.pool_segments`; else None."""
         for work in self._sends:  # the previous step's hidden states must have left before new ones do
             work.wait(self.pp.timeout)
         self._sends = []
@@ -213,6 +215,8 @@ class Worker:
             return None
         if self.keep_hidden_states:
             self.hidden_states = out
+        if inp.pool_segments is not None:  # an embedder's step: its pooled rows, summed per request
+            return segment_sums(out, inp.pool_segments)
         if not len(inp.logit_rows):
             return None
         return self.model.compute_logits(out[torch.from_numpy(inp.logit_rows).to(dev)])

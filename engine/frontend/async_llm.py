@@ -33,7 +33,8 @@ from engine.frontend.input_processor import InputProcessor
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.processes import process_context
 from engine.lora.request import LoRARequest
-from engine.outputs import RequestOutput, merge_deltas
+from engine.outputs import PoolingRequestOutput, RequestOutput, merge_deltas
+from engine.pooling.params import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:  # the engine (and torch) is imported where it runs: this process only with multiprocess off
@@ -232,6 +233,16 @@ class AsyncLLM:
                 self._streams.pop(request_id, None)
             if not stream.finished:  # cancelled, closed early, or failed: free its KV blocks
                 self._send(("abort", request_id))
+
+    async def encode(self, prompt: str | list[int], pooling_params: PoolingParams | None = None,
+                     request_id: str | None = None, priority: int = 0) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """An embedding request's one output (an engine started with task='embed'); vLLM's AsyncLLM.encode.
+        Raises as `generate` does."""
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        prepared = self.processor.prepare_request(prompt, request_id=rid, priority=priority,
+                                                  pooling_params=pooling_params or PoolingParams())
+        async for output in self.generate(prepared):
+            yield output
 
     def _register(self, prepared: PreparedRequest, stream: _Stream) -> None:
         limit = self.config.max_waiting_requests

@@ -16,9 +16,15 @@ from engine.core.prepared_request import PreparedRequest
 from engine.lora.request import LoRARequest
 from engine.models.config import ModelConfig
 from engine.models.model_path import resolve_model_path
-from engine.sampling_params import SamplingParams
+from engine.pooling.config import check_dimensions, resolve_pooler
+from engine.pooling.params import PoolingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.text_validation import check_text
 from engine.tokenizer import max_chars_per_token, tokenizer_for
+
+# What an embedding request carries as sampling params: the engine's per-request bookkeeping (samples, output
+# kind) reads them; nothing is ever sampled.
+POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=None, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def text_chars(value) -> int:
@@ -50,6 +56,8 @@ class InputProcessor:
         chars_per_token = max_chars_per_token(tokenizer)
         self.max_prompt_chars = max_model_len * chars_per_token if chars_per_token else None
         self._request_counter = itertools.count()
+        # task 'embed': how prompts are pooled (engine/pooling), for the checks of `dimensions`
+        self.pooler_config = resolve_pooler(model_path, config.pooler_config) if config.task == "embed" else None
         self.processed_images = None  # a vision-language model's processed images, by content hash
         if model_config.vision is not None and config.mm_processor_cache_gb > 0:
             from engine.multimodal.images import ProcessedImageCache
@@ -130,21 +138,22 @@ class InputProcessor:
         lora_digest: str | None = None,
         trace_context: dict[str, str] | None = None,
         multi_modal_data: dict | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> PreparedRequest:
         """Validate and tokenize a request, and hash its prompt's blocks, without touching engine state, so
         that any thread may call it. `lora_digest`: the adapter's weight digest where the caller knows it
-        (an ingress's registry); the hashes then need no recomputing. Raises ValueError naming the bad
-        parameter."""
-        params = sampling_params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        (an ingress's registry); the hashes then need no recomputing. `pooling_params`: an embedding request
+        (task 'embed'), instead of sampling_params. Raises ValueError naming the bad parameter."""
+        params = self._check_task(sampling_params, pooling_params)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority: expected an int, got {priority!r}")
         token_ids = self.tokenize(prompt)
         mm_inputs = []
         if multi_modal_data is not None or self.model_config.vision is not None:
             token_ids, mm_inputs = self.place_images(token_ids, multi_modal_data)
-        if len(token_ids) >= self.max_model_len:
+        if pooling_params is not None and len(token_ids) > self.max_model_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens exceed max_model_len={self.max_model_len}")
+        if pooling_params is None and len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
             )
@@ -178,7 +187,27 @@ class InputProcessor:
             lora_digest=lora_digest,
             trace_context=trace_context or {},
             mm_inputs=mm_inputs,
+            pooling_params=pooling_params,
         )
+
+    def _check_task(self, sampling_params: SamplingParams | None,
+                    pooling_params: PoolingParams | None) -> SamplingParams:
+        """The request's sampling params, once its kind matches the engine's task."""
+        if self.config.task == "embed":
+            if sampling_params is not None or pooling_params is None:
+                raise ValueError(f"sampling_params: {self.config.model} is served with task='embed'; it embeds "
+                                 "(pooling_params, LLM.embed, /v1/embeddings) and generates nothing")
+            if not isinstance(pooling_params, PoolingParams):
+                raise ValueError(f"pooling_params: expected PoolingParams, got {type(pooling_params).__name__}")
+            check_dimensions(self.pooler_config, pooling_params.dimensions, self.model_config.hidden_size)
+            return POOLING_SAMPLING_PARAMS
+        if pooling_params is not None:
+            raise ValueError(f"pooling_params: {self.config.model} is served with task='generate'; start it with "
+                             "task='embed' to embed")
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        return params
 
     def place_images(self, token_ids: list[int], multi_modal_data: dict | None) -> tuple[list[int], list]:
         """The prompt with its images' placeholders expanded, and the images prepared (engine/multimodal)."""

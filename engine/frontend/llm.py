@@ -11,7 +11,8 @@ from engine.config import EngineConfig
 from engine.frontend.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.multimodal.media import MediaSettings, load_images, split_image_parts
-from engine.outputs import RequestOutput
+from engine.outputs import PoolingRequestOutput, RequestOutput
+from engine.pooling.params import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 # Text or token ids, or vLLM's dict: {"prompt": text} or {"prompt_token_ids": ids}, with "multi_modal_data".
@@ -44,23 +45,9 @@ class LLM:
         """Generate for each prompt (text or token ids); outputs come back in prompt order. `lora_request`:
         one adapter for every prompt, or one (or None: the base model) per prompt."""
         prompt_list = _as_prompt_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts; "
-                    "pass one, or one per prompt"
-                )
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            lora_list = [lora_request] * len(prompt_list)
-        else:
-            lora_list = list(lora_request)
-            if len(lora_list) != len(prompt_list):
-                raise ValueError(
-                    f"lora_request: got {len(lora_list)} for {len(prompt_list)} prompts; pass one, or one per prompt"
-                )
+        params_list = _per_prompt("sampling_params", sampling_params or SamplingParams(), SamplingParams,
+                                  len(prompt_list))
+        lora_list = _per_prompt("lora_request", lora_request, LoRARequest, len(prompt_list))
         engine = self.llm_engine
         # Validate everything before enqueuing anything: no half-submitted batch left running.
         prepared = []
@@ -72,6 +59,27 @@ class LLM:
         for p in prepared:  # read every adapter (a bad one raises) before anything is queued
             if p.lora_request is not None:
                 engine.add_lora(p.lora_request)
+        for p in prepared:
+            engine.add_prepared(p)
+        return self._run([p.request_id for p in prepared], use_tqdm)
+
+    def embed(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """Embed each prompt (text or token ids) with a model started with task='embed'; outputs come back in
+        prompt order, each vector at `output.outputs.embedding`."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _per_prompt("pooling_params", pooling_params or PoolingParams(), PoolingParams,
+                                  len(prompt_list))
+        engine = self.llm_engine
+        prepared = []
+        for prompt, params in zip(prompt_list, params_list):
+            if isinstance(prompt, dict):
+                raise ValueError("prompts: embed takes text or token ids")
+            prepared.append(engine.prepare_request(prompt, pooling_params=params))
         for p in prepared:
             engine.add_prepared(p)
         return self._run([p.request_id for p in prepared], use_tqdm)
@@ -99,7 +107,7 @@ class LLM:
             prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool) -> list:
         engine = self.llm_engine
         outputs: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
@@ -112,11 +120,22 @@ class LLM:
                 if output.request_id not in wanted or not output.finished:
                     continue
                 outputs[output.request_id] = output
-                num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                 bar.update(1)
-                bar.set_postfix_str(f"output {num_output_tokens / (time.perf_counter() - start):.0f} tok/s")
+                if isinstance(output, RequestOutput):
+                    num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    bar.set_postfix_str(f"output {num_output_tokens / (time.perf_counter() - start):.0f} tok/s")
         bar.close()
         return [outputs[i] for i in ids]
+
+
+def _per_prompt(name: str, value, cls: type, num_prompts: int) -> list:
+    """One `cls` (or None) for every prompt, or one per prompt."""
+    if value is None or isinstance(value, cls):
+        return [value] * num_prompts
+    values = list(value)
+    if len(values) != num_prompts:
+        raise ValueError(f"{name}: got {len(values)} for {num_prompts} prompts; pass one, or one per prompt")
+    return values
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:

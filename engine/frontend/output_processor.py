@@ -15,7 +15,16 @@ from transformers import PreTrainedTokenizerBase
 from engine.core.core_output import EngineCoreOutput
 from engine.core.prepared_request import PreparedRequest
 from engine.frontend.detokenizer import IncrementalDetokenizer, text_token_ids
-from engine.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs, StepTiming
+from engine.outputs import (
+    CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+    StepTiming,
+)
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -76,6 +85,8 @@ class _ParentState:
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False
     kv_transfer_params: dict | None = None
+    pooling: bool = False  # an embedding request: one PoolingRequestOutput, when it finishes
+    pooled: PoolingOutput | None = None
 
     @property
     def finished(self) -> bool:
@@ -106,6 +117,7 @@ class OutputProcessor:
         ]
         self._parents[prepared.request_id] = _ParentState(
             prepared.request_id, prepared.prompt, prepared.prompt_token_ids, params, prepared.arrival_time, samples,
+            pooling=prepared.is_pooling,
         )
 
     def discard(self, request_id: str) -> None:
@@ -135,6 +147,8 @@ class OutputProcessor:
                     state.prompt_logprobs = out.prompt_logprobs
             if out.kv_transfer_params is not None:
                 state.kv_transfer_params = out.kv_transfer_params
+            if out.pooled is not None:
+                state.pooled = PoolingOutput(out.pooled)
             if self._detokenize(state.params, sample):
                 stopped.append((out.request_id, out.index))
             touched.setdefault(out.request_id, []).append(out.index)
@@ -177,13 +191,17 @@ class OutputProcessor:
         sample.finish_reason, sample.finished_time = "stop", time.monotonic()
         return True
 
-    def _make_output(self, state: _ParentState, samples: list[_Sample], finished: bool) -> RequestOutput:
+    def _make_output(self, state: _ParentState, samples: list[_Sample],
+                     finished: bool) -> RequestOutput | PoolingRequestOutput:
+        error = next((s.error for s in state.samples if s.error), None)
+        if state.pooling:
+            return PoolingRequestOutput(state.request_id, state.prompt_token_ids, state.pooled, finished,
+                                        state.num_cached_tokens, _metrics(state, finished), error)
         prompt_logprobs = None
         if state.prompt_logprobs is not None:
             if state.params.output_kind is not RequestOutputKind.DELTA or not state.prompt_logprobs_sent:
                 prompt_logprobs = state.prompt_logprobs
                 state.prompt_logprobs_sent = True
-        error = next((s.error for s in state.samples if s.error), None)
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,

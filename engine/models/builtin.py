@@ -10,6 +10,9 @@ the same loader as any checkpoint. The tokenizer is the real 32k SentencePiece o
                       weights, not the LM head, make most of the bytes a decode step reads (quantization)
     pagedserve-tiny-moe      Mixtral-style mixture of experts with pagedserve-tiny's attention: 8 experts
                              of intermediate size 96, top-2 (tests, configs)
+    pagedserve-tiny-embed    pagedserve-tiny's shape as a Qwen3-Embedding-style embedder: a base model (no LM
+                             head) with sentence-transformers files pooling the last token, normalized (tests)
+    pagedserve-56m-embed     the same at pagedserve-56m's shape (benchmarks/embeddings.py)
     pagedserve-56m-moe       ~108M parameters, ~56M active per token: pagedserve-56m's attention, 8 experts
                              of intermediate size 704, top-2, so that a token's two experts cost about what
                              the dense model's MLP (1376) costs (benchmarks/moe.py)
@@ -78,6 +81,8 @@ _GPT_OSS_ARCH = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"
                  "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32, "beta_slow": 1,
                                      "truncate": False, "original_max_position_embeddings": 512,
                                      "rope_theta": 150000.0}}
+# Qwen3-Embedding's layout: a Qwen3 base model (QK norms, no LM head), trained Matryoshka-style.
+_EMBED_ARCH = {"architectures": ["Qwen3Model"], "model_type": "qwen3", "hidden_act": "silu", "is_matryoshka": True}
 BUILTIN_MODELS: dict[str, dict] = {
     "pagedserve-tiny": {
         **_ARCH, **_COMMON, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
@@ -90,6 +95,14 @@ BUILTIN_MODELS: dict[str, dict] = {
     "pagedserve-600m": {
         **_ARCH, **_COMMON, "hidden_size": 1536, "intermediate_size": 4096, "num_hidden_layers": 20,
         "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 128,
+    },
+    "pagedserve-tiny-embed": {
+        **_COMMON, **_EMBED_ARCH, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    },
+    "pagedserve-56m-embed": {
+        **_COMMON, **_EMBED_ARCH, "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
     },
     # Mixtral's intermediate_size is one expert's.
     "pagedserve-tiny-moe": {
@@ -283,6 +296,7 @@ class _Flavor:
     added_tokens: tuple[str, ...] = ()
     image_processor: dict | None = None
     processor: dict | None = None  # processor_config.json
+    pooling: str | None = None  # an embedder's sentence-transformers Pooling mode (then Normalize)
 
 
 _FLAVORS = {"pagedserve-tiny-gpt-oss": _Flavor(HARMONY_TEMPLATE, HARMONY_TOKENS),
@@ -290,7 +304,9 @@ _FLAVORS = {"pagedserve-tiny-gpt-oss": _Flavor(HARMONY_TEMPLATE, HARMONY_TOKENS)
             "pagedserve-tiny-qwen2.5-vl": _Flavor(QWEN_VL_TEMPLATE, QWEN_VL_TOKENS, _QWEN_VL_IMAGE_PROCESSOR),
             "pagedserve-56m-llava": _Flavor(LLAVA_TEMPLATE, ("<image>",), _LLAVA_224_IMAGE_PROCESSOR,
                                             _llava_processor(14)),
-            "pagedserve-56m-qwen2.5-vl": _Flavor(QWEN_VL_TEMPLATE, QWEN_VL_TOKENS, _QWEN_VL_448_IMAGE_PROCESSOR)}
+            "pagedserve-56m-qwen2.5-vl": _Flavor(QWEN_VL_TEMPLATE, QWEN_VL_TOKENS, _QWEN_VL_448_IMAGE_PROCESSOR),
+            "pagedserve-tiny-embed": _Flavor(pooling="pooling_mode_lasttoken"),
+            "pagedserve-56m-embed": _Flavor(pooling="pooling_mode_lasttoken")}
 _TOKENIZER_CONFIG = {
     "tokenizer_class": "LlamaTokenizer",
     "bos_token": "<s>",
@@ -310,7 +326,8 @@ _WEIGHT_SEEDS = {"pagedserve-tiny": 0x24A9A3D7, "pagedserve-56m": 0x7BED96D1, "p
                  "pagedserve-tiny-gemma3": 0x6E3A3001, "pagedserve-tiny-deepseek-v3": 0xD5EE3003,
                  "pagedserve-tiny-gpt-oss": 0x6F550004, "pagedserve-tiny-llava": 0x11A7A005,
                  "pagedserve-tiny-qwen2.5-vl": 0x9E2A5006, "pagedserve-56m-llava": 0x56A11A07,
-                 "pagedserve-56m-qwen2.5-vl": 0x56E2A508}
+                 "pagedserve-56m-qwen2.5-vl": 0x56E2A508, "pagedserve-tiny-embed": 0xE3BED009,
+                 "pagedserve-56m-embed": 0xE3BED00A}
 
 
 def cache_root() -> Path:
@@ -321,6 +338,8 @@ def materialize_builtin(name: str) -> Path:
     spec = BUILTIN_MODELS[name]
     flavor = _FLAVORS.get(name, _Flavor())
     extra = [list(flavor.added_tokens), flavor.image_processor, flavor.processor] if name in _FLAVORS else []
+    if flavor.pooling is not None:
+        extra.append(flavor.pooling)
     digest = hashlib.sha256(json.dumps([spec, flavor.chat_template, _FORMAT_VERSION, *extra], sort_keys=True).encode())
     path = cache_root() / "models" / f"{name}-{digest.hexdigest()[:12]}"
     if (path / "model.safetensors").is_file():
@@ -356,6 +375,10 @@ def write_checkpoint(path: Path, spec: dict, seed: int, flavor: _Flavor = _Flavo
     tensors = {}
     cfg = ModelConfig.from_dict(spec)
     for name, shape in model_class(cfg.architecture).checkpoint_shapes(cfg).items():
+        if cfg.headless:  # a base model's files: no LM head, no `model.` prefix
+            if name.startswith("lm_head."):
+                continue
+            name = name.removeprefix("model.")
         if name.endswith("norm.weight"):
             tensors[name] = torch.ones(shape)
         else:
@@ -366,6 +389,23 @@ def write_checkpoint(path: Path, spec: dict, seed: int, flavor: _Flavor = _Flavo
         (path / "preprocessor_config.json").write_text(json.dumps(flavor.image_processor, indent=2))
     if flavor.processor is not None:
         (path / "processor_config.json").write_text(json.dumps(flavor.processor, indent=2))
+    if flavor.pooling is not None:
+        write_sentence_transformers(path, flavor.pooling, spec["hidden_size"])
+
+
+def write_sentence_transformers(path: Path, pooling_mode: str, dimension: int, normalize: bool = True) -> None:
+    """sentence-transformers' files: the modules (the model, its Pooling and perhaps Normalize) and the pooling
+    mode, as an embedder's checkpoint ships them (engine/pooling/config.py reads them)."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (path / "modules.json").write_text(json.dumps(modules, indent=2))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    modes = ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_max_tokens",
+             "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens", "pooling_mode_lasttoken")
+    config = {"word_embedding_dimension": dimension, **{m: m == pooling_mode for m in modes}, "include_prompt": True}
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def write_tokenizer(path: Path, flavor: _Flavor = _Flavor()) -> None:

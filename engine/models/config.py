@@ -18,6 +18,11 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"qkv_bias": True, "o_proj_bias": False},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    # The same decoders saved without their LM head (AutoModel's base models): embedders (task 'embed').
+    "LlamaModel": {},
+    "MistralModel": {},
+    "Qwen2Model": {"qkv_bias": True, "o_proj_bias": False},
+    "Qwen3Model": {"qk_norm": True},
     # Mixtures of experts (engine/models/moe.py): the Llama-family attention, experts in place of MLPs.
     "MixtralForCausalLM": {},
     "Qwen2MoeForCausalLM": {"qkv_bias": True, "o_proj_bias": False},
@@ -48,7 +53,9 @@ MOE_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwe
                                "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM"})
 DEEPSEEK = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"})
 # Qwen configs carry a sliding_window that only applies with use_sliding_window.
-_QWEN_SLIDING_FLAG = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
+HEADLESS_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
+_QWEN_SLIDING_FLAG = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                                "Qwen2Model", "Qwen3Model"})
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _GEMMA3 = frozenset({"Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"})
 # Gemma3TextConfig's defaults: hub files (the multimodal ones' text_config above all) leave them out.
@@ -211,6 +218,11 @@ class ModelConfig:
     def sliding_window_of(self, layer: int) -> int | None:
         """The window layer `layer` attends over (the last this-many positions, its own included), or None."""
         return self.sliding_window if self.layer_types and self.layer_types[layer] == SLIDING else None
+
+    @property
+    def headless(self) -> bool:
+        """A base model saved without its LM head (`Qwen3Model`): it can embed, not generate."""
+        return self.architecture in HEADLESS_ARCHITECTURES
 
     @property
     def attention_scale(self) -> float:

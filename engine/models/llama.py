@@ -219,6 +219,8 @@ class LlamaForCausalLM(nn.Module):
         """Our parameter name and shard for a checkpoint tensor name, or None to skip it."""
         if "rotary_emb" in name:
             return None
+        if name.startswith(("layers.", "embed_tokens.", "norm.")):  # a base model's (Qwen3Model's) names
+            name = "model." + name
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None
         if name == "model.embed_tokens.weight" and self.model.embed_tokens is None:

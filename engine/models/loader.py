@@ -22,14 +22,18 @@ def build_model(
     seed: int,
     batch_size_hint: int,
     quant_config: QuantizationConfig | None = None,
+    with_lm_head: bool = True,
 ) -> LlamaForCausalLM:
     """This rank's part of the model, loaded and in compute form (dense weights prepacked on CPU for
-    batches of about `batch_size_hint` rows)."""
+    batches of about `batch_size_hint` rows). Without `with_lm_head` (an embedder) the LM head is dropped before
+    loading: its tensors are skipped, and a base model's checkpoint has none."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters in the target dtype; rope tables stay float32
     try:
         with torch.device(device):
             model = model_class(cfg.architecture)(cfg, quant_config)
+            if not with_lm_head:
+                model.lm_head = None
     finally:
         torch.set_default_dtype(default_dtype)
     with torch.no_grad():
