@@ -181,6 +181,12 @@ class SamplingParams(ValidTextModel):
     structured_outputs: StructuredOutputsParams | None = Field(
         None, description="Constrain the output to a JSON schema, regex, choice or grammar; ends it when complete."
     )
+    thinking_token_budget: int | None = Field(
+        None, ge=0, description="Most tokens a reasoning model thinks; then its end-of-thinking tag is forced.")
+    thinking_start_token_ids: list[int] = Field(
+        default_factory=list, description="The start-of-thinking tag's ids; empty: the output starts inside it.")
+    thinking_end_token_ids: list[int] = Field(
+        default_factory=list, description="The end-of-thinking tag's ids: a grammar applies only after them.")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -198,6 +204,13 @@ class SamplingParams(ValidTextModel):
         if self.structured_outputs is not None and self.min_tokens:
             # Once the grammar is complete only EOS may follow, and min_tokens would ban it.
             raise ValueError("min_tokens: cannot be combined with structured_outputs; the format decides the length")
+        budget = self.thinking_token_budget
+        if (budget is not None or self.thinking_start_token_ids) and not self.thinking_end_token_ids:
+            which = "thinking_token_budget" if budget is not None else "thinking_start_token_ids"
+            raise ValueError(f"{which}: needs thinking_end_token_ids, the model's end-of-thinking tag (a serving "
+                             "app's reasoning_parser supplies them)")
+        if any(t < 0 for t in self.thinking_start_token_ids + self.thinking_end_token_ids):
+            raise ValueError("thinking_end_token_ids: must be non-negative token ids")
         for token, bias in (self.logit_bias or {}).items():
             if token < 0 or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias: token {token} -> {bias}; ids must be >= 0 and biases in [-100, 100]")
@@ -227,4 +240,5 @@ class SamplingParams(ValidTextModel):
 
     def token_ids_to_check(self) -> set[int]:
         """Token ids the engine must find inside the vocabulary."""
-        return set(self.stop_token_ids) | set(self.logit_bias or ())
+        return (set(self.stop_token_ids) | set(self.logit_bias or ()) | set(self.thinking_start_token_ids)
+                | set(self.thinking_end_token_ids))

@@ -223,6 +223,8 @@ class AnthropicServing:
         sampling = dict(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                         stop=req.stop_sequences, stream=req.stream, ignore_eos=req.ignore_eos) \
             if isinstance(req, MessagesRequest) else {}
+        if isinstance(req, MessagesRequest) and req.thinking_enabled and self.openai.thinking_tags is not None:
+            sampling["thinking_token_budget"] = req.thinking.budget_tokens  # a model without thinking just answers
         try:
             return ChatCompletionRequest(
                 model=req.model, messages=messages, add_generation_prompt=not prefill,
@@ -252,7 +254,8 @@ class AnthropicServing:
         so = await openai.structured_outputs(chat, plan)  # a forced tool: its input schema constrains the output
         message_id = new_message_id()
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        params = openai.sampling_params(chat, len(prompt.token_ids), req.max_tokens, None, kind, so)
+        params = openai.sampling_params(chat, len(prompt.token_ids), req.max_tokens, None, kind, so,
+                                        openai.thinking(chat, so))
         outputs = openai._stream([await openai.engine_request(message_id, prompt, params, chat)])
         try:
             item = await anext(outputs, None)

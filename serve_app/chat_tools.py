@@ -58,8 +58,9 @@ class ToolPlan:
 
     @property
     def reads_thinking(self) -> bool:
-        """A forced call or format constrains the whole output to JSON: nothing to split."""
-        return self.think is not None and self.mode in ("none", "auto")
+        """The output thinks first; a forced call's or a format's grammar constrains what follows the thinking
+        (the engine starts it after the end tag)."""
+        return self.think is not None
 
 
 def plan_tools(req: ChatCompletionRequest, parser: ToolParser, harmony: bool = False,

@@ -45,7 +45,7 @@ from serve_app.protocol.openai import (
     Usage,
     new_id,
 )
-from serve_app.reasoning_parsers import think_format
+from serve_app.reasoning_parsers import think_format, thinking_tags
 from serve_app.tool_parsers import get_tool_parser
 
 # Tokenizing costs about 0.5 ms per 1,000 characters here. A text above this many is tokenized in a
@@ -120,6 +120,8 @@ class OpenAIServing:
             raise ValueError(f"reasoning_parser: gpt_oss reads Harmony's channels; {served_model_name}'s chat "
                              "template does not write Harmony")
         self.think = think_format(reasoning_parser) if reasoning_parser else None  # <think> ... </think>
+        encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+        self.thinking_tags = thinking_tags(reasoning_parser, encode) if reasoning_parser else None
         self.formats = FormatValidator(processor)
         self.media = media or MediaSettings()
         # Images are fetched, decoded and processed here, so that the prefix router sees their hashes: on
@@ -174,9 +176,32 @@ class OpenAIServing:
             await self.formats.check(so, param)
         return so
 
+    def thinking(self, req: ChatCompletionRequest, structured_outputs: StructuredOutputsParams | None) -> dict:
+        """The thinking fields of a chat request's SamplingParams (engine/sample/thinking.py): its budget, and the
+        tags that make a grammar (a format, a forced tool call) start after the thinking."""
+        budget = req.thinking_token_budget
+        if self.thinking_tags is None:
+            if budget is not None:
+                raise APIError(400, f"thinking_token_budget: {self.model_name} is served without a reasoning_parser "
+                               "(app args), so it has no thinking to end", param="thinking_token_budget",
+                               code="unsupported_parameter")
+            return {}
+        if self.harmony and structured_outputs is not None:
+            # A forced call or format on a Harmony model constrains the whole output, headers included.
+            if budget is not None:
+                raise APIError(400, "thinking_token_budget: a Harmony model's forced tool call or response format "
+                               "constrains its whole output, which then has no thinking to end",
+                               param="thinking_token_budget", code="unsupported_parameter")
+            return {}
+        if budget is None and structured_outputs is None:
+            return {}
+        start, end = self.thinking_tags
+        return {"thinking_token_budget": budget, "thinking_start_token_ids": start, "thinking_end_token_ids": end}
+
     def sampling_params(
         self, req: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None,
         kind: RequestOutputKind, structured_outputs: StructuredOutputsParams | None = None,
+        thinking: dict | None = None,
     ) -> SamplingParams:
         room = self.processor.max_model_len - prompt_len
         if room < 1:
@@ -198,7 +223,7 @@ class OpenAIServing:
             "skip_special_tokens": req.skip_special_tokens and not keep_special, "logprobs": logprobs,
             "prompt_logprobs": req.prompt_logprobs, "max_tokens": max_tokens or room, "output_kind": kind,
             "logit_bias": {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
-            "structured_outputs": structured_outputs,
+            "structured_outputs": structured_outputs, **(thinking or {}),
         }
         optional = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
                     "repetition_penalty": req.repetition_penalty}
@@ -446,7 +471,8 @@ class OpenAIServing:
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        params = self.sampling_params(req, len(prompt.token_ids), max_tokens, logprobs, kind, so)
+        thinking = self.thinking(req, so)
+        params = self.sampling_params(req, len(prompt.token_ids), max_tokens, logprobs, kind, so, thinking)
         engine_request = await self.engine_request(request_id, prompt, params, req)
         if req.stream:
             return self._chat_stream(req, request_id, engine_request, plan)

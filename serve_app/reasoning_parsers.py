@@ -7,14 +7,20 @@ and the Responses route as reasoning items, and tool calls are read from the ans
   max_tokens while still thinking); a leading `<think>` the model writes itself is dropped too.
 - `qwen3`: the output opens the block itself (`<think>` ... `</think>`); an output that does not start with
   `<think>` is all answer (thinking switched off, `enable_thinking=False`).
-- `gpt_oss`: Harmony's analysis channel (serve_app/harmony.py), read by the chat route's Harmony path."""
+- `gpt_oss`: Harmony's analysis channel (serve_app/harmony.py), read by the chat route's Harmony path.
+
+Each parser's tags, as token ids, are what the engine's thinking budget forces and what a grammar waits for
+(engine/sample/thinking.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "gpt_oss")
 START, END = "<think>", "</think>"
+# Harmony's thinking is the analysis channel; it ends where the final channel's message begins.
+HARMONY_START, HARMONY_END = "<|channel|>analysis<|message|>", "<|end|><|start|>assistant<|channel|>final<|message|>"
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,14 @@ def think_format(name: str) -> ThinkFormat | None:
     if name not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser: {name!r} is not one of {', '.join(REASONING_PARSERS)}")
     return None if name == "gpt_oss" else ThinkFormat(starts_inside=name == "deepseek_r1")
+
+
+def thinking_tags(name: str, encode: Callable[[str], list[int]]) -> tuple[list[int], list[int]]:
+    """(start, end) tag ids of parser `name`'s thinking, as SamplingParams' thinking_start_token_ids (empty: the
+    output starts inside it) and thinking_end_token_ids; `encode` tokenizes without special tokens added."""
+    if name == "gpt_oss":
+        return encode(HARMONY_START), encode(HARMONY_END)
+    return ([] if think_format(name).starts_inside else encode(START)), encode(END)
 
 
 class ThinkStream:

@@ -44,6 +44,9 @@ from serve_app.sse import sse_event, sse_response, sse_stream
 
 Event = tuple[str, dict]
 _INCLUDABLE = frozenset({"message.output_text.logprobs", "reasoning.encrypted_content"})
+# reasoning.effort as a thinking budget in tokens (the engine then forces the end of thinking): "none" thinks not
+# at all; the others scale as OpenAI's efforts do, from a short thought to a long one.
+EFFORT_BUDGETS = {"none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768}
 
 
 def _refuse(param: str, message: str) -> APIError:
@@ -56,8 +59,6 @@ def _check(req: ResponsesRequest) -> None:
         raise _refuse("background", "background responses are not supported; stream the response instead")
     if req.conversation is not None:
         raise _refuse("conversation", "conversations are not supported; chain responses with previous_response_id")
-    if req.reasoning is not None and req.reasoning.effort not in (None, "none"):
-        raise _refuse("reasoning.effort", "this server sets no reasoning budget yet; leave reasoning.effort unset")
     for i, tool in enumerate(req.tools or []):
         if tool.type != "function":
             raise _refuse(f"tools.{i}.type", f"{tool.type!r} is one of OpenAI's hosted tools; only function tools "
@@ -125,10 +126,22 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
     return messages
 
 
-def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest:
+def thinking_budget(req: ResponsesRequest, reasons: bool) -> int | None:
+    """The thinking budget `reasoning.effort` asks of a model that `reasons` (served with a reasoning_parser)."""
+    effort = req.reasoning.effort if req.reasoning is not None else None
+    if effort is None or (effort == "none" and not reasons):
+        return None
+    if not reasons:
+        raise _refuse("reasoning.effort", "this model is served without a reasoning_parser (app args), so it does not "
+                      "reason; leave reasoning.effort unset")
+    return EFFORT_BUDGETS[effort]
+
+
+def chat_request(req: ResponsesRequest, history: list[dict], budget: int | None = None) -> ChatCompletionRequest:
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
     fields: dict = {"messages": messages + input_messages(req), "model": req.model, "temperature": req.temperature,
                     "top_p": req.top_p, "max_completion_tokens": req.max_output_tokens, "user": req.user,
+                    "thinking_token_budget": budget,
                     "parallel_tool_calls": req.parallel_tool_calls, "stream": req.stream,
                     "stream_options": {"include_usage": True} if req.stream else None}
     if req.tools:
@@ -299,6 +312,11 @@ class ResponsesServing:
 
     async def _finish(self, response: Response, finish_reason: str | None, conversation: list[dict]) -> None:
         response.completed_at = time.time()
+        reasoning = "".join(part.text for item in response.output if isinstance(item, ReasoningItem)
+                            for part in item.content)
+        if reasoning and response.usage is not None:  # the text's own tokens: the engine counts no phases
+            response.usage.output_tokens_details.reasoning_tokens = len(
+                self.openai.tokenizer.encode(reasoning, add_special_tokens=False))
         response.status = "incomplete" if finish_reason == "length" else "completed"
         if finish_reason == "length":
             response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
@@ -308,8 +326,9 @@ class ResponsesServing:
 
     async def create(self, req: ResponsesRequest) -> Response | AsyncIterator[Event]:
         _check(req)
+        budget = thinking_budget(req, self.openai.thinking_tags is not None)
         history = await self._history(req)
-        chat = chat_request(req, history)
+        chat = chat_request(req, history, budget)
         conversation = chat.model_dump(exclude_none=True)["messages"]
         if req.instructions:
             conversation = conversation[1:]  # instructions are not carried to the next response

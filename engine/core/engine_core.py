@@ -425,6 +425,9 @@ class EngineCore:
                 for e in entries[: request.num_output_tokens - len(request.logprobs)]:
                     request.logprobs.append(_logprob_dict(e))
                     request.cumulative_logprob += e[1][0]
+        for request in updated:
+            if request.thinking is not None:
+                request.thinking.advance(request.output_token_ids)
         self._advance_grammars(updated)
         failures = self.finish_requests(failed, RequestStatus.FINISHED_ERROR,
                                         error="the engine failed while running this request")

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from engine.core.block_hash import BlockHash, hash_block_chain
 from engine.outputs import PromptLogprobs, SampleLogprobs, StepTiming
+from engine.sample.thinking import ThinkingState
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -100,12 +101,14 @@ class Request:
     num_emitted_logprobs: int = 0
     prompt_logprobs_emitted: bool = False
     grammar: GrammarState | None = None  # structured outputs: this sample's compile and matcher
+    thinking: ThinkingState | None = field(init=False)  # a reasoning model's thinking (engine/sample/thinking.py)
     lora_slot: int = -1  # the device slot of its adapter while it runs (engine/lora/manager.py); -1: none
     pooled_sum: torch.Tensor | None = None  # an embedder's running sum of its pooled rows, until the prompt is done
     pooled: np.ndarray | None = None  # then its embedding
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.thinking = ThinkingState.of(self.sampling_params)
         if self.block_hashes is None:
             self.block_hashes = hash_block_chain(self.all_token_ids, self.block_size, self.cache_salt,
                                                  lora_digest=self.lora_digest, mm_inputs=self.mm_inputs)

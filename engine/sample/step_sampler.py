@@ -64,6 +64,7 @@ class StepSampler:
             if speculating:  # one row per verified position
                 requests = [view for r in requests for view in _position_views(r)]
             self.structured_output.apply_bitmask(logits[:num_sampled], requests)
+            _force_thinking_tags(logits, requests)
             md = build_sampling_metadata(requests, self.vocab_size, self.device)
             sampled = self.sampler(logits[:num_sampled], md)
             if speculating:
@@ -142,6 +143,15 @@ class StepSampler:
                 out.logprobs[j] = trimmed[-1]
                 if len(trimmed) > 1:
                     out.draft_logprobs[j] = trimmed[:-1]
+
+
+def _force_thinking_tags(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Rows whose thinking must take a tag's next token (engine/sample/thinking.py) can sample that token only."""
+    for i, request in enumerate(requests):
+        forced = request.thinking.forced_token() if request.thinking is not None else None
+        if forced is not None:
+            logits[i].fill_(float("-inf"))
+            logits[i, forced] = 0.0
 
 
 def _logprob_entries(ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor) -> list[LogprobEntry]:

@@ -12,6 +12,9 @@ def can_draft(request: Request) -> bool:
     # Structured outputs advance a grammar matcher token by token and mask each position by its state.
     if getattr(params, "structured_outputs", None) is not None:
         return False
+    # A thinking budget forces its end tag at one position, known only once the tokens before it are.
+    if request.thinking is not None and not request.thinking.in_answer:
+        return False
     # A seeded request draws its noise from (seed, output index); verification draws from the engine's
     # generator, so drafting would change its samples. Greedy seeded requests use no noise at all.
     if request.seed is not None and not params.greedy:

@@ -95,7 +95,11 @@ class StructuredOutputManager:
         `requests[i]` samples from `logits[i]`."""
         if not self.num_active:
             return
-        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        # A grammar constrains the answer after a reasoning model's thinking, never the thinking itself; while the
+        # output may still open its thinking, the start tag is allowed beside the grammar's first tokens.
+        rows = [i for i, r in enumerate(requests)
+                if r.grammar is not None and (r.thinking is None or r.thinking.in_answer
+                                              or r.thinking.opening_token is not None)]
         if not rows:
             return
         if self._bitmask is None or self._bitmask.shape[0] < len(requests):
@@ -107,6 +111,9 @@ class StructuredOutputManager:
             state.matcher.fill_next_token_bitmask(self._bitmask, i)
             if state.is_json:  # a row view's in-place AND: advanced indexing here costs milliseconds
                 self._bitmask[i] &= self._compiler.json_token_mask
+            opening = requests[i].thinking.opening_token if requests[i].thinking is not None else None
+            if opening is not None:
+                _allow(self._bitmask[i], opening)
         bitmask = self._bitmask[: len(requests)]
         if logits.device.type != "cpu":
             bitmask = bitmask.to(logits.device, non_blocking=True)
@@ -121,8 +128,10 @@ class StructuredOutputManager:
             return terminated, rejected
         for request in updated:
             state = request.grammar
-            if state is None or state.matcher is None:
+            if state is None or state.matcher is None or (request.thinking and not request.thinking.in_answer):
                 continue
+            if request.thinking is not None:  # the thinking before the answer is not the grammar's
+                state.num_accepted = max(state.num_accepted, request.thinking.answer_start)
             new = request.output_token_ids[state.num_accepted :]
             state.num_accepted = request.num_output_tokens
             if not all(state.matcher.accept_token(t) for t in new):
@@ -131,3 +140,9 @@ class StructuredOutputManager:
             elif state.matcher.is_terminated() and not request.is_finished:
                 terminated.append(request)
         return terminated, rejected
+
+
+def _allow(row: torch.Tensor, token_id: int) -> None:
+    """Set `token_id`'s bit in a bitmask row (bit i of int32 word w is token 32w + i)."""
+    word = int(row[token_id >> 5]) | (1 << (token_id & 31))
+    row[token_id >> 5] = word - (1 << 32) if word >= 1 << 31 else word

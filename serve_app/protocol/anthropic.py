@@ -208,7 +208,7 @@ class Conversation(_Request):
 
 class ThinkingConfig(_Request):
     """Extended thinking: with the app's reasoning_parser, the model's reasoning comes back as thinking
-    blocks. budget_tokens is checked as Anthropic checks it; the engine does not yet end thinking at it."""
+    blocks. budget_tokens is checked as Anthropic checks it, and the engine ends the thinking at it."""
 
     type: Literal["enabled", "disabled"]
     budget_tokens: int | None = Field(None, ge=1024)

@@ -192,6 +192,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     include_reasoning: bool = True  # vLLM's: false drops the reasoning the app's reasoning parser splits off
+    # vLLM's: most tokens the model thinks before its end-of-thinking tag is forced (needs a reasoning_parser)
+    thinking_token_budget: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:

@@ -4,6 +4,9 @@ only; include_reasoning=false drops it."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from serve_app.chat_tools import ChoiceTools, plan_tools
@@ -70,8 +73,9 @@ def test_unknown_parser_is_refused_by_name():
 
 
 # --- over HTTP: an app with reasoning_parser deepseek_r1 (the output starts inside the thinking) -------------
-# A regex constrains the random-weight model's output to "<thinking></think><answer>", so the split is known.
-SHAPED = {"structured_outputs": {"regex": "[a-z]{3,8}</think>[a-z]{3,8}"}}
+# The random-weight model never ends its thinking itself: a budget of 4 tokens does, and a regex then constrains
+# the answer (only the answer: the engine starts the grammar after the end tag).
+SHAPED = {"thinking_token_budget": 4, "structured_outputs": {"regex": "[a-z]{3,8}"}}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +91,7 @@ def test_chat_returns_reasoning_apart_whole_and_streamed(reasoning_url):
     ask = dict(model="pagedserve-tiny", messages=[{"role": "user", "content": "Think, then answer."}],
                temperature=0, max_tokens=32, extra_body=SHAPED)
     message = client.chat.completions.create(**ask).choices[0].message
-    assert message.reasoning and message.content and "</think>" not in message.reasoning + message.content
+    assert message.reasoning and re.fullmatch("[a-z]{3,8}", message.content) and "</think>" not in message.reasoning
     assert message.reasoning_content == message.reasoning
     chunks = list(client.chat.completions.create(**ask, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
@@ -95,6 +99,31 @@ def test_chat_returns_reasoning_apart_whole_and_streamed(reasoning_url):
     assert "".join(d.content or "" for d in deltas) == message.content
     hidden = client.chat.completions.create(**{**ask, "extra_body": {**SHAPED, "include_reasoning": False}})
     assert hidden.choices[0].message.reasoning is None and hidden.choices[0].message.content == message.content
+    # A budget of 0 ends the thinking at once (the tiny tokenizer's "▁</" leaves a space before the tag); without
+    # one the thinking runs to max_tokens, all reasoning.
+    unthought = client.chat.completions.create(**{**ask, "extra_body": {"thinking_token_budget": 0}})
+    assert not (unthought.choices[0].message.reasoning or "").strip() and unthought.choices[0].message.content
+    endless = client.chat.completions.create(**{**ask, "extra_body": {}}).choices[0].message
+    assert endless.reasoning and not endless.content
+    # A forced tool call thinks first, then its arguments follow the tool's schema.
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}}}
+    named = {"type": "function", "function": {"name": "pick"}}
+    called = client.chat.completions.create(**{**ask, "max_tokens": 64, "extra_body": {"thinking_token_budget": 3}},
+                                            tools=[tool], tool_choice=named)
+    call = called.choices[0].message
+    assert call.reasoning and json.loads(call.tool_calls[0].function.arguments)["n"] in range(10)
+
+
+def test_a_budget_without_a_reasoning_parser_is_refused_by_name(serve_app_url):
+    import openai
+
+    client = openai.OpenAI(base_url=serve_app_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget: .* without a reasoning_parser"):
+        client.chat.completions.create(model="pagedserve-tiny", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=2, extra_body={"thinking_token_budget": 3})
+    with pytest.raises(openai.BadRequestError, match="reasoning.effort"):
+        client.responses.create(model="pagedserve-tiny", input="x", max_output_tokens=2, reasoning={"effort": "low"})
 
 
 def test_anthropic_thinking_blocks_when_enabled(reasoning_url):
@@ -111,9 +140,11 @@ def test_anthropic_thinking_blocks_when_enabled(reasoning_url):
                extra_body={"temperature": 0})
     plain = client.messages.create(**ask)
     assert [b.type for b in plain.content] == ["text"] and plain.content[0].text == ""
-    enabled = dict(ask, max_tokens=1025, extra_body={"temperature": 0})  # Anthropic: 1024 <= budget < max_tokens
+    # Anthropic: 1024 <= budget < max_tokens. The budget ends the thinking, and the answer follows.
+    enabled = dict(ask, max_tokens=1030, extra_body={"temperature": 0})
     thought = client.messages.create(**enabled, thinking={"type": "enabled", "budget_tokens": 1024})
-    assert thought.content[0].type == "thinking" and thought.content[0].thinking.startswith(expected)
+    assert [b.type for b in thought.content] == ["thinking", "text"] and thought.content[1].text
+    assert thought.content[0].thinking.startswith(expected)
     with client.messages.stream(**enabled, thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
         final = stream.get_final_message()
     assert final.content[0].type == "thinking" and final.content[0].thinking == thought.content[0].thinking
@@ -135,3 +166,12 @@ def test_responses_carry_reasoning_items(reasoning_url):
     # Unconstrained, the output never closes its thinking: all reasoning, cut at max_output_tokens.
     assert [item.type for item in r.output] == ["reasoning"] and r.status == "incomplete"
     assert r.output[0].content[0].text and r.output_text == ""
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens <= 16
+    # reasoning.effort is a budget: "none" thinks not at all, "minimal" 256 tokens and then answers.
+    none = client.responses.create(model="pagedserve-tiny", input="Think.", temperature=0, max_output_tokens=8,
+                                   reasoning={"effort": "none"})
+    assert none.output[-1].type == "message" and none.output_text
+    assert all(not part.text.strip() for item in none.output[:-1] for part in item.content)  # "▁</": a space at most
+    minimal = client.responses.create(model="pagedserve-tiny", input="Think.", temperature=0, max_output_tokens=264,
+                                      reasoning={"effort": "minimal"})
+    assert [item.type for item in minimal.output] == ["reasoning", "message"] and minimal.output_text
