@@ -131,3 +131,24 @@ def test_builtin_gpt_oss_writes_harmony_prompts():
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
     params = serving.sampling_params(chat, len(ids), 8, None, RequestOutputKind.FINAL_ONLY)
     assert not params.skip_special_tokens  # the channels' headers must reach the parser
+
+
+def test_a_thinking_budget_ends_the_analysis_with_the_final_channels_header():
+    """The budget forces HARMONY_END after the analysis tokens (engine/sample/thinking.py): the text that follows
+    is the final channel's, so it is content."""
+    from serve_app.reasoning_parsers import HARMONY_END, HARMONY_START
+
+    processor = InputProcessor.from_config(EngineConfig(model="pagedserve-tiny-gpt-oss"))
+    serving = OpenAIServing(processor, "gpt-oss", engine=None, reasoning_parser="gpt_oss")
+    start, end = serving.thinking_tags
+    ids = {t: processor.tokenizer.convert_tokens_to_ids(t) for t in ("<|channel|>", "<|end|>", "<|start|>")}
+    assert start[0] == ids["<|channel|>"] and end[:2] == [ids["<|end|>"], ids["<|start|>"]]  # header tokens, whole
+    out = split_output(HARMONY_START + "cut short by the bud" + HARMONY_END + "Sunny.")
+    assert (out.reasoning, out.content) == ("cut short by the bud", "Sunny.")
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], thinking_token_budget=5)
+    assert serving.thinking(chat, None) == {"thinking_token_budget": 5, "thinking_start_token_ids": start,
+                                             "thinking_end_token_ids": end}
+    forced = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], thinking_token_budget=5,
+                                   response_format={"type": "json_object"})
+    with pytest.raises(Exception, match="thinking_token_budget: a Harmony model's forced tool call"):
+        serving.thinking(forced, object())
