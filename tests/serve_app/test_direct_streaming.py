@@ -109,3 +109,25 @@ def test_prefix_router_picks_the_replica_through_haproxy(direct_url, direct_engi
     r = httpx.post(url + "/v1/completions", content=b'{"prompt": ', headers={"Content-Type": "application/json"},
                    timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_every_replica_continues_a_stored_response(direct_url, direct_engine):
+    """The Responses store is one actor per app (serve_app/response_store.py): a response one replica made is
+    continued by any replica serving HTTP, its exchange in the new prompt."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ask = {"model": "pagedserve-tiny", "max_output_tokens": 3, "temperature": 0}
+    first = httpx.post(direct_url + "/v1/responses", json={**ask, "input": "Hi"}, timeout=60).json()
+    exchange = first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+    before = [s.num_requests_finished for s in direct_engine.broadcast("stats").results()]
+
+    def follow_up(i: int) -> dict:  # prompts of no common prefix: the router spreads them by load
+        body = {**ask, "input": f"{'QWERTYUIOPAS'[i]} then?", "previous_response_id": first["id"]}
+        return httpx.post(direct_url + "/v1/responses", json=body, timeout=60).json()
+
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(follow_up, range(12)))
+    after = [s.num_requests_finished for s in direct_engine.broadcast("stats").results()]
+    assert all(a - b >= 1 for a, b in zip(after, before)), (before, after)  # both replicas continued it
+    assert all(r["status"] in ("completed", "incomplete") and r["previous_response_id"] == first["id"]
+               and r["usage"]["input_tokens"] > exchange for r in answers)
