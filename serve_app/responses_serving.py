@@ -180,6 +180,13 @@ def _usage(usage: Usage | None) -> ResponseUsage | None:
                          total_tokens=usage.total_tokens)
 
 
+async def _chained(first, rest: AsyncIterator) -> AsyncIterator:
+    if first is not None:
+        yield first
+        async for item in rest:
+            yield item
+
+
 def _assistant_turn(output: list) -> list[dict]:
     """The response's output as the chat messages a later `previous_response_id` continues after."""
     text = "".join(p.text for item in output if isinstance(item, OutputMessage) for p in item.content)
@@ -335,7 +342,9 @@ class ResponsesServing:
         response = self._response(req, new_item_id("resp"))
         result = await self.openai.chat(chat)
         if req.stream:
-            return self._stream(response, result, conversation)
+            # The engine's first output before any event: errors up to it (overload) keep their HTTP status.
+            first = await anext(result, None)
+            return self._stream(response, _chained(first, result), conversation)
         assert isinstance(result, ChatCompletionResponse)
         choice = result.choices[0]
         message = choice.message

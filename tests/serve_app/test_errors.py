@@ -166,5 +166,9 @@ def test_overload_is_429_with_retry_after(small_app):
     error = _error(r, 429)
     assert error["type"] == "rate_limit_error" and int(r.headers["Retry-After"]) >= 1
     assert "max_waiting_requests" in error["message"] and "ray::" not in error["message"]
+    # A streamed Responses request too: refused before its first event, so with the status, not in-band.
+    r = httpx.post(url + "/v1/responses", json={"input": "one more", "max_output_tokens": 2, "stream": True},
+                   headers=auth, timeout=30)
+    assert _error(r, 429)["type"] == "rate_limit_error"
     for t in threads:
         t.join()
