@@ -165,3 +165,19 @@ def test_unsupported_sentence_transformers_modules_are_refused(tmp_path, base_ch
     path = _with_pooling(base_checkpoint, tmp_path / "max", "pooling_mode_max_tokens", True)
     with pytest.raises(ValueError, match="pooling_mode_max_tokens"):
         LLM(str(path), task="embed", max_model_len=256, num_kv_blocks=32)
+
+
+def test_tensor_parallel_quantized_and_moe_embedders(embed_path, hf_checkpoint):
+    """The pairs README's "Embeddings" supports: two tensor-parallel ranks give TP=1's vectors; a Qwen3-MoE
+    causal LM embeds as its Hugging Face base model does; int8 at load stays close to float32."""
+    one = LLM(EMBED, task="embed", max_model_len=256, num_kv_blocks=32).embed(PROMPTS, use_tqdm=False)
+    two = LLM(EMBED, task="embed", max_model_len=256, num_kv_blocks=32, tensor_parallel_size=2)
+    for a, b in zip(one, two.embed(PROMPTS, use_tqdm=False)):
+        np.testing.assert_allclose(a.outputs.data, b.outputs.data, atol=1e-5)
+    moe = hf_checkpoint("qwen3_moe")
+    dense = LLM(str(moe), task="embed", dtype="float32", max_model_len=256, num_kv_blocks=32)
+    full = dense.embed(PROMPTS, use_tqdm=False)
+    _assert_oracle(moe, full, "last")
+    int8 = LLM(str(moe), task="embed", dtype="float32", max_model_len=256, num_kv_blocks=32, quantization="int8")
+    for a, b in zip(full, int8.embed(PROMPTS, use_tqdm=False)):
+        assert float(np.dot(a.outputs.data, b.outputs.data)) > 0.99  # unit vectors: cosine similarity
