@@ -35,7 +35,8 @@ class EngineRankWorker:
     def run(self, config: EngineConfig, rendezvous: Rendezvous, rank: int, ranks_on_host: int) -> None:
         # Ray shows an actor only its own GPU (CUDA_VISIBLE_DEVICES), as device 0 (rank_device); likewise
         # the replica's, where the driver runs (Rendezvous.driver_device_index 0).
-        run_worker(config, rendezvous, rank, 0, ranks_on_host)
+        # The node id Ray placed this actor on decides how it reads the step queue (shared memory on the driver's).
+        run_worker(config, rendezvous, rank, 0, ranks_on_host, ray.get_runtime_context().get_node_id())
 
 
 class RayWorkerLauncher(WorkerLauncher):
@@ -59,7 +60,7 @@ class RayWorkerLauncher(WorkerLauncher):
                                    timeout=datetime.timedelta(seconds=rendezvous_timeout_s))
         layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
         rendezvous = Rendezvous(host, self.store.port, f"pagedserve-{uuid.uuid4().hex[:12]}", layout,
-                                rendezvous_timeout_s)
+                                rendezvous_timeout_s, node_id=ray.get_runtime_context().get_node_id())
         self.rendezvous = rendezvous
         workers = [rank for rank in range(layout.world_size) if rank != layout.output_rank]
         try:

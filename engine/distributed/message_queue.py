@@ -1,8 +1,10 @@
 """Broadcast of each step's input from the driver to the other ranks: pickled once, written once.
 
-The shape of vLLM's and nano-vllm's MessageQueue. Readers on the driver's host read the payload from a
+The shape of vLLM's and nano-vllm's MessageQueue. Readers on the driver's node read the payload from a
 shared-memory ring (a file in /dev/shm, one slot per message, `num_slots` deep); readers elsewhere, and
-payloads larger than a slot, get it over their socket. Every reader has a TCP connection to the writer
+payloads larger than a slot, get it over their socket. Which readers share the driver's node is the launcher's
+word (the node ids it gives the writer and each reader), not whether the ring's file happens to be visible:
+two Ray nodes on one machine see one /dev/shm yet are different nodes. Every reader has a TCP connection to the writer
 on which it blocks for the next message's 16-byte header: readers sleep in the kernel between steps,
 never spinning, which two cores cannot afford. The socket is also the liveness link: a reader sees EOF
 when the writer's process dies, and the writer a broken pipe when a reader's does.
@@ -19,6 +21,7 @@ the next engine's sweep removes."""
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import pickle
 import socket
@@ -32,6 +35,7 @@ import torch.distributed as dist
 
 from engine.shm_files import SHM_DIR, owned_prefix, sweep
 
+logger = logging.getLogger(__name__)
 _HEADER = struct.Struct("<qqq")  # sequence number, payload bytes, 1 if the payload is in the ring
 
 
@@ -48,8 +52,9 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
 
 class MessageQueueWriter:
     def __init__(self, store: dist.Store, name: str, num_readers: int, host: str,
-                 num_slots: int = 4, slot_bytes: int = 1 << 20, timeout_s: float = 600.0) -> None:
-        self.name, self.num_readers = name, num_readers
+                 num_slots: int = 4, slot_bytes: int = 1 << 20, timeout_s: float = 600.0, node_id: str = "") -> None:
+        """`node_id`: the writer's node, as its launcher names nodes; readers given another one use the socket."""
+        self.name, self.num_readers, self.node_id = name, num_readers, node_id
         self.num_slots, self.slot_bytes = num_slots, slot_bytes
         self.seq = 0
         sweep(SHM_DIR)  # rings (and staged KV) of engines killed before they could remove them
@@ -74,7 +79,7 @@ class MessageQueueWriter:
         with socket.create_server((host, 0)) as listener:
             store.set(f"{self.name}/mq", json.dumps({
                 "host": host, "port": listener.getsockname()[1], "path": str(self.path), "num_slots": self.num_slots,
-                "slot_bytes": self.slot_bytes, "num_readers": self.num_readers}))
+                "slot_bytes": self.slot_bytes, "num_readers": self.num_readers, "node_id": self.node_id}))
             deadline = time.monotonic() + timeout_s
             for connected in range(self.num_readers):
                 try:
@@ -124,16 +129,19 @@ class MessageQueueWriter:
 
 
 class MessageQueueReader:
-    def __init__(self, store: dist.Store, name: str, index: int) -> None:
+    def __init__(self, store: dist.Store, name: str, index: int, node_id: str | None = None) -> None:
+        """`node_id`: this reader's node as the launcher names it; None: the writer's (one host's launcher)."""
         info = json.loads(store.get(f"{name}/mq"))
         self.index = index
         self.num_slots, self.slot_bytes = info["num_slots"], info["slot_bytes"]
         self.ring = None
-        try:
-            with open(info["path"], "r+b") as f:
-                self.ring = mmap.mmap(f.fileno(), 0)
-        except FileNotFoundError:  # another host: payloads come over the socket
-            pass
+        if node_id is None or node_id == info["node_id"]:
+            try:
+                with open(info["path"], "r+b") as f:
+                    self.ring = mmap.mmap(f.fileno(), 0)
+            except FileNotFoundError:  # a container of its own on the node: the socket serves as well
+                logger.warning("step queue %s: reader %d is on the writer's node but cannot open its ring %s; "
+                               "reading every payload over the socket", name, index, info["path"])
         self._header_bytes = 8 * max(info["num_readers"], 1)
         self.read_seq = (None if self.ring is None
                          else np.frombuffer(self.ring, dtype=np.int64, count=max(info["num_readers"], 1)))

@@ -41,7 +41,8 @@ class DistributedExecutor(Executor):
                                            extra_bytes_per_block)
             # Every rank passed the setup's collectives: each is up and about to connect.
             self.queue = MessageQueueWriter(self.store, step_queue_name(rendezvous), self.layout.world_size - 1,
-                                            host=rendezvous.host, timeout_s=INIT_TIMEOUT.total_seconds())
+                                            host=rendezvous.host, timeout_s=INIT_TIMEOUT.total_seconds(),
+                                            node_id=rendezvous.node_id)
         except BaseException as e:  # the workers are up: whatever happened, they go too
             failure = self._failure(e) if isinstance(e, Exception) else None
             self.shutdown()

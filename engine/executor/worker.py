@@ -50,6 +50,7 @@ class Rendezvous:
     layout: ParallelLayout
     timeout_s: float  # a step's collectives; a peer silent this long is dead
     driver_device_index: int = 0  # the driver's GPU among those its process sees (CUDA only; rank_device)
+    node_id: str = ""  # the driver's node as the launcher names nodes: ranks on another read the step queue by TCP
 
     def connect(self) -> dist.Store:
         """The store, scoped to this engine's name."""
@@ -265,15 +266,17 @@ def init_rank(config: EngineConfig, spec: ModelSpec, rendezvous: Rendezvous, ran
     return worker
 
 
-def run_worker(config: EngineConfig, rendezvous: Rendezvous, rank: int, device_index: int, ranks_on_host: int) -> None:
+def run_worker(config: EngineConfig, rendezvous: Rendezvous, rank: int, device_index: int, ranks_on_host: int,
+               node_id: str | None = None) -> None:
     """The life of a non-driver rank: set up, then run every broadcast step until told to stop or the
-    driver goes away. A failure is written to the store under `error/<rank>` for the driver to report."""
+    driver goes away. A failure is written to the store under `error/<rank>` for the driver to report.
+    `node_id`: this rank's node as the launcher names nodes (None: the driver's)."""
     torch.set_num_threads(threads_per_rank(config, ranks_on_host))  # Ray gives thread-less actors one thread
     store = rendezvous.connect()
     try:
         spec = ModelSpec.resolve(config)
         worker = init_rank(config, spec, rendezvous, rank, rank_device(spec.device_type, device_index), store)
-        queue = MessageQueueReader(store, step_queue_name(rendezvous), reader_index(rendezvous.layout, rank))
+        queue = MessageQueueReader(store, step_queue_name(rendezvous), reader_index(rendezvous.layout, rank), node_id)
         while True:
             kind, payload = queue.dequeue()
             if kind == "stop":
