@@ -111,20 +111,30 @@ def serve_run(config: dict, port: int, ready_timeout_s: float = 300, log: Path |
     config = {**config, "http_options": {**config.get("http_options", {}), "host": "127.0.0.1", "port": port}}
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="pagedserve-bench-", delete=False) as f:
         yaml.safe_dump(config, f)
-    out = open(log, "w") if log else subprocess.DEVNULL
     serve_bin = Path(sys.executable).parent / "serve"
     # HAProxy's stats and metrics ports are fixed unless set: never collide with another app on this machine.
     env = {"RAY_SERVE_HAPROXY_STATS_PORT": str(port + 1404), "RAY_SERVE_HAPROXY_METRICS_PORT": str(port + 2101),
            **(env or {})}
-    proc = subprocess.Popen([str(serve_bin), "run", f.name], cwd=root, env=serve_env(env, base_env), stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(proc, url, ready_timeout_s, "serve run" + (f" (see {log})" if log else ""))
+        with server_process([str(serve_bin), "run", f.name], f"http://127.0.0.1:{port}", "serve run", root,
+                            serve_env(env, base_env), ready_timeout_s, log) as app:
+            yield app
+    finally:
+        os.unlink(f.name)
+
+
+@contextmanager
+def server_process(cmd: list[str], url: str, what: str, cwd: Path | str, env: dict[str, str],
+                   ready_timeout_s: float, log: Path | None = None) -> Iterator[ServeApp]:
+    """`cmd` as an HTTP server in a session of its own (its output to `log`), up once `url`/health answers;
+    stopped, with whatever it started, on exit. `what` names it in errors."""
+    out = open(log, "w") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(proc, url, ready_timeout_s, what + (f" (see {log})" if log else ""))
         yield ServeApp(url, proc)
     finally:
         stop(proc)
-        os.unlink(f.name)
         if log:
             out.close()
 

@@ -23,7 +23,7 @@ from fastapi import FastAPI
 
 from serve_app.errors import APIError, from_exception
 from serve_app.http_api import json_response
-from serve_app.openai_serving import OpenAIServing
+from serve_app.openai_serving import OpenAIServing, tokenize_off_loop_if_large
 from serve_app.protocol.openai import ChatCompletionRequest, ChatCompletionResponse, Usage, new_id
 from serve_app.protocol.responses import (
     DeletedResponse,
@@ -322,8 +322,8 @@ class ResponsesServing:
         reasoning = "".join(part.text for item in response.output if isinstance(item, ReasoningItem)
                             for part in item.content)
         if reasoning and response.usage is not None:  # the text's own tokens: the engine counts no phases
-            response.usage.output_tokens_details.reasoning_tokens = len(
-                self.openai.tokenizer.encode(reasoning, add_special_tokens=False))
+            response.usage.output_tokens_details.reasoning_tokens = len(await tokenize_off_loop_if_large(
+                len(reasoning), self.openai.tokenizer.encode, reasoning, add_special_tokens=False))
         response.status = "incomplete" if finish_reason == "length" else "completed"
         if finish_reason == "length":
             response.incomplete_details = IncompleteDetails(reason="max_output_tokens")

@@ -126,21 +126,13 @@ def serve(model_dir: Path, port: int, extra_args: tuple[str, ...] = (), kv_cache
     """vLLM's OpenAI server (`vllm.entrypoints.openai.api_server`) on `model_dir` at `port`, up and healthy;
     yields it (`.url`, `.cpu_seconds()`), stopped on exit. `extra_args`: more of its flags (`--runner pooling`
     for embeddings). `threads`: OMP_NUM_THREADS, as ours get num_threads."""
-    from benchmarks.serve_process import ServeApp, stop, wait_healthy
+    from benchmarks.serve_process import server_process
 
     python = install()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb), "HF_HUB_OFFLINE": "1", "PYTHONPATH": "",
            "OMP_NUM_THREADS": str(threads)}
-    out = open(log, "w") if log else subprocess.DEVNULL
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", "127.0.0.1",
+           "--port", str(port), *extra_args]
     with tempfile.TemporaryDirectory(prefix="vllm-serve-") as cwd:  # not ours: vLLM must not import our packages
-        proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                                 "--host", "127.0.0.1", "--port", str(port), *extra_args], cwd=cwd, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_healthy(proc, url, ready_timeout_s, "vLLM's server" + (f" (see {log})" if log else ""))
-            yield ServeApp(url, proc)
-        finally:
-            stop(proc)
-            if log:
-                out.close()
+        with server_process(cmd, f"http://127.0.0.1:{port}", "vLLM's server", cwd, env, ready_timeout_s, log) as server:
+            yield server
