@@ -2,9 +2,10 @@
 
 float32 weights are repacked once into panels (`to_panels`) and multiplied by panel_linear.cpp: on our
 2-core AVX2 machines it ran 1.1-1.4x oneDNN's prepacked matmul from 1 to 64 rows of x (decode batches) and
-1.2x at prefill sizes. bfloat16 weights (and float32 where no compiler built the kernels) are prepacked for
-oneDNN instead, whose bfloat16 path uses AVX-512/AMX where the CPU has them. Same math, same dtype: only the
-summation order differs."""
+1.2x at prefill sizes. bfloat16 weights go into panels of column pairs (`to_unit_panels`) where the CPU has
+AVX512_BF16 (vdpbf16ps; benchmarks/quantized.py measures it beside oneDNN's bfloat16), else are prepacked for
+oneDNN, as is float32 where no compiler built the kernels. Same math, same dtype: only the summation order
+differs (bfloat16 products are exact in float32, and the sums are float32 in every path)."""
 
 from __future__ import annotations
 
@@ -30,29 +31,63 @@ def to_panels(w: torch.Tensor) -> torch.Tensor:
     return F.pad(w, (0, 0, 0, -n % PANEL)).view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
+def to_unit_panels(w: torch.Tensor, per_unit: int) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 16), ceil(K / per_unit), 16, per_unit]: panels of 16 rows whose units hold each row's
+    `per_unit` consecutive columns (K padded with zero columns): bfloat16 pairs, int8 quads."""
+    n, k = w.shape
+    w = F.pad(w, (0, -k % per_unit, 0, -n % PANEL))
+    return w.view(-1, PANEL, w.shape[1] // per_unit, per_unit).transpose(1, 2).contiguous()
+
+
+def from_unit_panels(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of to_unit_panels: [N, K]."""
+    p, units, _, per_unit = panels.shape
+    return panels.transpose(1, 2).reshape(p * PANEL, units * per_unit)[:n, :k]
+
+
 def from_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
     """The inverse of to_panels: [N, K]."""
     return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:n]
 
 
-def panel_matmul(kernel: str, x: torch.Tensor, n: int, bias: torch.Tensor | None, *weight) -> torch.Tensor:
+def panel_matmul(kernel: str, x: torch.Tensor, n: int, bias: torch.Tensor | None, *weight,
+                 x_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x [..., K] times a panel weight through panel_linear.cpp's `kernel` (its weight arguments `weight`),
-    n output features; float32 inside, x's dtype out."""
-    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+    n output features: x in `x_dtype` inside, float32 sums (plus bias) rounded once to x's dtype out."""
+    x2 = x.reshape(-1, x.shape[-1]).to(x_dtype).contiguous()
     out = torch.empty(x2.shape[0], n)
     run = getattr(load_linear_kernels(), kernel)
     for start in range(0, x2.shape[0], ROW_BLOCK):
         run(out[start:start + ROW_BLOCK], x2[start:start + ROW_BLOCK], *weight)
-    out = out.to(x.dtype).view(*x.shape[:-1], n)
-    return out.add_(bias) if bias is not None else out
+    if bias is not None:
+        out.add_(bias)
+    return out.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def bfloat16_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] times bfloat16 [P, K / 2, 16, 2] panels (to_unit_panels(w, 2)), x in bfloat16: vdpbf16ps."""
+    return panel_matmul("bfloat16_linear", x, panels.shape[0] * PANEL, bias, panels, x_dtype=torch.bfloat16)
+
+
+@functools.cache
+def instruction_sets() -> dict[str, bool]:
+    """The dot-product instructions the linear kernels were built with (avx512_bf16, avx512_vnni); all False
+    where nothing compiled."""
+    kernels = load_linear_kernels()
+    return dict(kernels.instruction_sets()) if kernels else {"avx512_bf16": False, "avx512_vnni": False}
 
 
 def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor:
-    """`weight` [out, in] packed once for `packed_linear`: float32 panels (when `out` fills them: the panels
-    then say the output size), or oneDNN's blocked layout for batches of about `batch_size_hint` rows."""
+    """`weight` [out, in] packed once for `packed_linear`: float32 panels or bfloat16 pair panels (when `out`
+    fills them: the panels then say the output size), or oneDNN's blocked layout for batches of about
+    `batch_size_hint` rows."""
+    out_features, in_features = weight.shape
     with torch.no_grad():
-        if weight.dtype == torch.float32 and weight.shape[0] % PANEL == 0 and linear_kernels_available():
-            return to_panels(weight.detach())
+        if out_features % PANEL == 0 and linear_kernels_available():
+            if weight.dtype == torch.float32:
+                return to_panels(weight.detach())
+            if weight.dtype == torch.bfloat16 and in_features % 2 == 0 and instruction_sets()["avx512_bf16"]:
+                return to_unit_panels(weight.detach(), 2)
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
 
 
@@ -78,6 +113,8 @@ def bucket_rows(num_rows: int) -> int:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if packed.dim() == 3:  # float32 panels
         return panel_matmul("float32_linear", x, packed.shape[0] * PANEL, bias, packed)
+    if packed.dim() == 4:  # bfloat16 pair panels
+        return bfloat16_linear(x, packed, bias)
     rows = x.shape[0] if x.dim() == 2 else 0
     padded = bucket_rows(rows)
     if padded == rows:  # bucketed already, or not a 2-D batch of rows

@@ -30,12 +30,26 @@
 //     overlaps the FMAs.
 //     A float32 chunk is its own buffer: it stays in L1 while every tile passes over it.
 // Work is shared out over panels in chunks (work_sharing.h).
+//
+// bfloat16 weights with bfloat16 x, and int8 weights with int8 x (W8A8), multiply without widening: their
+// panels are 64-byte units of 16 rows x 4 bytes, one row's 2 (bfloat16) or 4 (int8) consecutive columns each,
+//   bfloat16: [P, K / 2, 16, 2]: W[16 p + j, 2 u + b] = w[p, u, j, b];
+//   int8 (W8A8): uint8 [P, K4 / 4, 16, 4], K4 = K rounded up to 4: W[16 p + j, 4 u + b] = w[p, u, j, b] - 128;
+// and one instruction takes a unit, one row of x's matching 4 bytes broadcast to all 16 lanes, and adds each
+// lane's 2 or 4 products to its 32-bit sum: vdpbf16ps (AVX512_BF16, float32 sums: 32 multiply-adds where a
+// float32 FMA does 16, reading half the bytes) and vpdpbusd (AVX512-VNNI, int32 sums of unsigned bytes times
+// signed ones: 64 per instruction, a quarter of float32's bytes). W8A8 stores its weights plus 128 as unsigned
+// bytes, quantizes each row of x on entry, symmetric (x / (max|x| / 127), rounded half to even), and takes
+// 128 * the row's sum off each integer sum, which is exact. Where the CPU lacks the instruction,
+// bfloat16 widens its panels to float32 in registers (the float32 paths above) and W8A8 runs a portable loop
+// of the same integer sums.
 
 // Not torch/extension.h: paged_attention.cpp says why.
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -281,22 +295,29 @@ void chunked_panel(const float* x, int64_t M, int64_t K, const Columns& columns,
   }
 }
 
-// MB (<= 4) rows of x times one float32 panel, or every row of x chunk by chunk.
-template <int MB, int SPLIT>
-void float32_direct(const float* x, int64_t K, const float* w, float* tiles) {
+// MB (<= 4) rows of x times one panel, widened in registers by `columns` (float32: read as it is).
+template <int MB, int SPLIT, typename Columns>
+void direct_panel(const float* x, int64_t K, const Columns& columns, float* tiles) {
   Accumulators<MB, SPLIT> acc;
   zero(acc);
-  direct_columns<MB, SPLIT>(x, K, 0, K, Float32Columns{w}, acc);
+  direct_columns<MB, SPLIT>(x, K, 0, K, columns, acc);
   accumulate(acc, nullptr, tiles, true);
 }
 
-void float32_panel(const float* x, int64_t M, int64_t K, const float* w, float* tiles) {
+// Up to kDirectRows rows of x: direct_panel. Returns whether it took them.
+template <typename Columns>
+bool few_rows_panel(const float* x, int64_t M, int64_t K, const Columns& columns, float* tiles) {
   switch (M) {
-    case 1: return float32_direct<1, 4>(x, K, w, tiles);
-    case 2: return float32_direct<2, 2>(x, K, w, tiles);
-    case 3: return float32_direct<3, 1>(x, K, w, tiles);
-    case 4: return float32_direct<4, 1>(x, K, w, tiles);
+    case 1: return direct_panel<1, 4>(x, K, columns, tiles), true;
+    case 2: return direct_panel<2, 2>(x, K, columns, tiles), true;
+    case 3: return direct_panel<3, 1>(x, K, columns, tiles), true;
+    case 4: return direct_panel<4, 1>(x, K, columns, tiles), true;
   }
+  return false;
+}
+
+void float32_panel(const float* x, int64_t M, int64_t K, const float* w, float* tiles) {
+  if (few_rows_panel(x, M, K, Float32Columns{w}, tiles)) return;
   for (int64_t c = 0; c < K; c += kChunk)
     float_tiles(x, 0, M, K, c, std::min(kChunk, K - c), w + c * kPanel, tiles, true);
 }
@@ -305,6 +326,125 @@ void float32_panel(const float* x, int64_t M, int64_t K, const float* w, float* 
 void scale_tiles(float* tiles, int64_t M, const Panel& panel) {
   const Vec16 scales = Vec16::load(panel.scales(0));
   for (int64_t m = 0; m < M; ++m) (Vec16::load(tiles + m * kPanel) * scales).store(tiles + m * kPanel);
+}
+
+// bfloat16 panels widened in registers, for CPUs without AVX512_BF16.
+struct Bf16Columns {
+  const uint16_t* w;
+  Vec16 single(int64_t k) const { return single_of_pair(*this, k); }
+  void pair(int64_t k, Vec16& a, Vec16& b) const { Vec16::from_bf16_pairs(w + k * kPanel, a, b); }
+  void prefetch(int64_t k, int64_t step = 1) const { prefetch_ahead(w, k, kPanel * 2, step); }
+};
+#endif
+
+constexpr int64_t kUnitBytes = 64;       // 16 rows x 4 bytes
+constexpr int64_t kChunkUnits = 128;     // units per chunk of a panel that tiles of rows pass over: 8 KiB
+constexpr int64_t kDotTileRows = 16;     // rows of x per tile: 16 accumulators + a unit + a broadcast
+
+#if defined(__AVX512BF16__) || defined(__AVX512VNNI__)
+// The dot-product instructions over 16 32-bit lanes: Acc the sums (float32 or int32), a unit of the panel in a
+// register, x's 4 bytes broadcast from memory by the instruction itself ({1to16}, in inline assembly: GCC
+// emits a separate vpbroadcastd for the intrinsics, a second load per instruction that held vdpbf16ps at ~0.8x
+// oneDNN's bfloat16 from 16 to 256 rows). vpdpbusd's broadcast operand is its signed one: x, not the weights.
+#if defined(__AVX512BF16__)
+struct Bf16Dot {
+  using Acc = __m512;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static __m512i unit(const uint8_t* w) { return _mm512_loadu_si512(w); }
+  static Acc dot(Acc acc, const uint8_t* x, __m512i w) {
+    asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
+    return acc;
+  }
+  static Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
+  static Acc load(const void* p) { return _mm512_loadu_ps(p); }
+  static void store(void* p, Acc a) { _mm512_storeu_ps(p, a); }
+};
+#endif
+#if defined(__AVX512VNNI__)
+struct U8S8Dot {
+  using Acc = __m512i;
+  static Acc zero() { return _mm512_setzero_si512(); }
+  static __m512i unit(const uint8_t* w) { return _mm512_loadu_si512(w); }
+  static Acc dot(Acc acc, const uint8_t* x, __m512i w) {
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
+    return acc;
+  }
+  static Acc add(Acc a, Acc b) { return _mm512_add_epi32(a, b); }
+  static Acc load(const void* p) { return _mm512_loadu_si512(p); }
+  static void store(void* p, Acc a) { _mm512_storeu_si512(p, a); }
+};
+#endif
+
+// tiles[MB][16] (+)= MB rows of x times units [u0, u1) of a panel. x: row-major 4-byte units (row m's unit u at
+// x + 4 (m * units + u)), or, when PACKED, the tile's rows interleaved (at x + 4 (u * MB + m)): rows of x a
+// power of two apart (4 KiB, 8 KiB) fall in one set of L1, which holds 8 lines; a tile's 12 rows then missed
+// L1 (vdpbf16ps at 0.6x oneDNN's rate; interleaved, level). SPLIT independent sums per row for few rows, where
+// one chain would wait on each instruction's latency. `stream`: the panel comes from memory: prefetch ahead.
+template <typename Dot, int MB, int SPLIT, bool PACKED>
+void dot_tile(const uint8_t* x, int64_t units, int64_t u0, int64_t u1, const uint8_t* w, void* tiles, bool first,
+              bool stream) {
+  const auto x_unit = [&](int m, int64_t u) { return x + 4 * (PACKED ? u * MB + m : m * units + u); };
+  typename Dot::Acc acc[SPLIT][MB];
+  PAGEDSERVE_UNROLL for (int s = 0; s < SPLIT; ++s)
+    PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) acc[s][m] = Dot::zero();
+  int64_t u = u0;
+  for (; u + SPLIT <= u1; u += SPLIT) {
+    PAGEDSERVE_UNROLL for (int s = 0; s < SPLIT; ++s) {
+      const uint8_t* unit = w + (u + s) * kUnitBytes;
+      if (stream) _mm_prefetch(reinterpret_cast<const char*>(unit) + kPrefetchBytes, _MM_HINT_T0);
+      const __m512i units_of_w = Dot::unit(unit);
+      PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) acc[s][m] = Dot::dot(acc[s][m], x_unit(m, u + s), units_of_w);
+    }
+  }
+  for (; u < u1; ++u) {
+    const __m512i units_of_w = Dot::unit(w + u * kUnitBytes);
+    PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) acc[0][m] = Dot::dot(acc[0][m], x_unit(m, u), units_of_w);
+  }
+  char* t = static_cast<char*>(tiles);
+  PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) {
+    typename Dot::Acc sum = acc[0][m];
+    PAGEDSERVE_UNROLL for (int s = 1; s < SPLIT; ++s) sum = Dot::add(sum, acc[s][m]);
+    if (!first) sum = Dot::add(sum, Dot::load(t + m * kUnitBytes));
+    Dot::store(t + m * kUnitBytes, sum);
+  }
+}
+
+// x [M, units] in 4-byte units, rearranged for PACKED dot tiles: each tile of kDotTileRows rows (the last: the
+// rest) interleaved, unit by unit, at its first row's offset.
+std::vector<int32_t> pack_x_tiles(const uint8_t* x, int64_t M, int64_t units) {
+  std::vector<int32_t> packed(M * units);
+  for (int64_t m0 = 0; m0 < M; m0 += kDotTileRows) {
+    const int64_t rows = std::min(kDotTileRows, M - m0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t u = 0; u < units; ++u)
+        std::memcpy(&packed[m0 * units + u * rows + r], x + 4 * ((m0 + r) * units + u), 4);
+  }
+  return packed;
+}
+
+// tiles [M][16] = every row of x times a panel of `units` units: up to 4 rows straight through the panel (bound
+// by its bytes; x row-major), more in tiles of kDotTileRows rows (x from pack_x_tiles) over chunks of
+// kChunkUnits units that stay in L1.
+template <typename Dot>
+void dot_panel(const uint8_t* x, int64_t M, int64_t units, const uint8_t* w, void* tiles) {
+  switch (M) {
+    case 1: return dot_tile<Dot, 1, 4, false>(x, units, 0, units, w, tiles, true, true);
+    case 2: return dot_tile<Dot, 2, 2, false>(x, units, 0, units, w, tiles, true, true);
+    case 3: return dot_tile<Dot, 3, 2, false>(x, units, 0, units, w, tiles, true, true);
+    case 4: return dot_tile<Dot, 4, 1, false>(x, units, 0, units, w, tiles, true, true);
+  }
+  for (int64_t c = 0; c < units; c += kChunkUnits) {
+    const int64_t end = std::min(units, c + kChunkUnits);
+    bool stream = true;
+    int64_t m = 0;
+    for (; m + kDotTileRows <= M; m += kDotTileRows, stream = false)
+      dot_tile<Dot, kDotTileRows, 1, true>(x + 4 * m * units, units, c, end, w,
+                                           static_cast<char*>(tiles) + m * kUnitBytes, c == 0, stream);
+    pagedserve::with_rows<kDotTileRows - 1>(static_cast<int>(M - m), [&](auto rows) {
+      dot_tile<Dot, decltype(rows)::value, 1, true>(x + 4 * m * units, units, c, end, w,
+                                                    static_cast<char*>(tiles) + m * kUnitBytes, c == 0, stream);
+    });
+  }
 }
 #endif
 
@@ -440,7 +580,140 @@ void int4_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor par
   });
 }
 
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// out[m, n] = sum_k x[m, k] * w[n, k], x bfloat16 [M, K] (K even), w bfloat16 in [P, K / 2, 16, 2] panels.
+void bfloat16_linear(at::Tensor out, at::Tensor x, at::Tensor weight) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kFloat, "x, weight: bfloat16; out: float32");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(), "inputs must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == M && K % 2 == 0, "x [M, K] (K even), out [M, N]");
+  TORCH_CHECK(weight.dim() == 4 && weight.size(0) == (N + kPanel - 1) / kPanel && weight.size(1) == K / 2 &&
+                  weight.size(2) == kPanel && weight.size(3) == 2, "weight: [ceil(N / 16), K / 2, 16, 2]");
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+#if defined(__AVX512BF16__)
+  std::vector<int32_t> packed;
+  const uint8_t* x_units = reinterpret_cast<const uint8_t*>(xp);
+  if (M > kDirectRows) {
+    packed = pack_x_tiles(x_units, M, K / 2);
+    x_units = reinterpret_cast<const uint8_t*>(packed.data());
+  }
+#else
+  std::vector<float> widened(M * K);  // x in float32 for the widening paths
+  for (int64_t i = 0; i < M * K; ++i) widened[i] = bf16_to_float(xp[i]);
+  const float* xf = widened.data();
+#endif
+  run_panels(M, N, out.data_ptr<float>(), nullptr, nullptr, 1, [&](const Panel& panel, float* tiles, float* buffer) {
+    const uint16_t* w = wp + panel.index * K * kPanel;
+#if defined(__AVX512BF16__)
+    dot_panel<Bf16Dot>(x_units, M, K / 2, reinterpret_cast<const uint8_t*>(w), tiles);
+#elif defined(PAGEDSERVE_VEC16)
+    if (!few_rows_panel(xf, M, K, Bf16Columns{w}, tiles)) chunked_panel(xf, M, K, Bf16Columns{w}, buffer, tiles);
+#else
+    portable_panel(xf, M, K, [&](int64_t k, int64_t j) { return bf16_to_float(w[k / 2 * 2 * kPanel + 2 * j + k % 2]); },
+                   tiles);
+#endif
+  });
+}
+
+// Row m of x [M, K] quantized: writes round(x / scale) to `bytes` [K4] (0 past K), its sum to `sum`; returns the scale.
+float quantize_row(const float* x, int64_t K, int64_t K4, int8_t* bytes, int32_t& sum) {
+  float absmax = 0.f;
+  for (int64_t k = 0; k < K; ++k) absmax = std::max(absmax, std::fabs(x[k]));
+  const float scale = absmax > 0.f ? absmax / 127.f : 1.f;
+  int32_t total = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    bytes[k] = static_cast<int8_t>(std::clamp(std::nearbyint(x[k] / scale), -127.f, 127.f));
+    total += bytes[k];
+  }
+  std::fill(bytes + K, bytes + K4, int8_t{0});
+  sum = total;
+  return scale;
+}
+
+// out[m, n] = sx[m] * scales[n] * sum_k xq[m, k] * q[n, k]: x float32 [M, K] quantized per row (quantize_row),
+// weight q + 128 as uint8 in [P, K4 / 4, 16, 4] panels, scales float32 [N]. vpdpbusd multiplies unsigned bytes
+// (the weights) by signed ones (x, broadcast from memory, which must be the signed operand): the sum it makes
+// is sum_k (q + 128) xq, and 128 sum_k xq is taken off.
+void w8a8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor scales) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && weight.scalar_type() == at::kByte,
+              "x, out: float32; weight: uint8");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(), "inputs must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), K4 = (K + 3) / 4 * 4;
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == M, "x [M, K], out [M, N]");
+  TORCH_CHECK(weight.dim() == 4 && weight.size(0) == (N + kPanel - 1) / kPanel && weight.size(1) == K4 / 4 &&
+                  weight.size(2) == kPanel && weight.size(3) == 4, "weight: [ceil(N / 16), ceil(K / 4), 16, 4]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
+              "scales: float32 [N]");
+  const float* xp = x.data_ptr<float>();
+  std::vector<int8_t> bytes(M * K4);
+  std::vector<float> row_scales(M);
+  std::vector<int32_t> row_sums(M);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      row_scales[m] = quantize_row(xp + m * K, K, K4, bytes.data() + m * K4, row_sums[m]);
+  });
+#if defined(__AVX512VNNI__)
+  std::vector<int32_t> packed;
+  const uint8_t* x_units = reinterpret_cast<const uint8_t*>(bytes.data());
+  if (M > kDirectRows) {
+    packed = pack_x_tiles(x_units, M, K4 / 4);
+    x_units = reinterpret_cast<const uint8_t*>(packed.data());
+  }
+#endif
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  run_panels(M, N, out.data_ptr<float>(), nullptr, nullptr, 1, [&](const Panel& panel, float* tiles, float*) {
+    const uint8_t* w = wp + panel.index * K4 * kPanel;
+    int32_t* sums_of_products = reinterpret_cast<int32_t*>(tiles);  // the tiles' own memory, 4 bytes a lane
+#if defined(__AVX512VNNI__)
+    dot_panel<U8S8Dot>(x_units, M, K4 / 4, w, sums_of_products);
+#else
+    std::fill(sums_of_products, sums_of_products + M * kPanel, 0);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K4; ++k) {
+        const int32_t xk = bytes[m * K4 + k];
+        const uint8_t* column = w + (k / 4) * kUnitBytes + k % 4;
+        for (int64_t j = 0; j < kPanel; ++j) sums_of_products[m * kPanel + j] += xk * column[4 * j];
+      }
+#endif
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < panel.rows; ++j) {
+        const int64_t n = panel.index * kPanel + j;
+        const int32_t exact = sums_of_products[m * kPanel + j] - 128 * row_sums[m];
+        tiles[m * kPanel + j] = static_cast<float>(exact) * row_scales[m] * sp[n];
+      }
+  });
+}
+
+// Which instructions this build's bfloat16 and W8A8 kernels use (the engine prefers oneDNN's bfloat16 where
+// the CPU lacks AVX512_BF16).
+pybind11::dict instruction_sets() {
+  pybind11::dict sets;
+#ifdef __AVX512BF16__
+  sets["avx512_bf16"] = true;
+#else
+  sets["avx512_bf16"] = false;
+#endif
+#ifdef __AVX512VNNI__
+  sets["avx512_vnni"] = true;
+#else
+  sets["avx512_vnni"] = false;
+#endif
+  return sets;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bfloat16_linear", &bfloat16_linear, "Linear over bfloat16 weight panels, bfloat16 x (CPU, float32 out)");
+  m.def("w8a8_linear", &w8a8_linear, "int8 weights x per-row dynamic int8 activations (CPU, float32)");
+  m.def("instruction_sets", &instruction_sets, "The dot-product instructions this build uses");
   m.def("float32_linear", &float32_linear, "Linear over float32 weight panels (CPU)");
   m.def("int8_linear", &int8_linear, "Weight-only int8 linear, per-row scales (CPU, float32)");
   m.def("int4_linear", &int4_linear, "Weight-only int4 linear, grouped scales and zeros (CPU, float32)");

@@ -1,4 +1,5 @@
-"""Weight-only int8 and int4 linear layers on the CPU: the compute of quantized linear methods.
+"""Quantized linear layers on the CPU: the compute of quantized linear methods. Weight-only int8 and int4, and
+W8A8 (int8 weights times int8 activations quantized per row on entry, integer dot products).
 
 Every batch goes through panel_linear.cpp (weights widened to float32 in registers or in an L1 buffer,
 products and sums in float32): from 64 rows up it beat widening the whole weight and running torch's float32
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ops.cpu.linear import PANEL, from_panels, panel_matmul, to_panels
+from ops.cpu.linear import PANEL, from_panels, from_unit_panels, panel_matmul, to_panels, to_unit_panels
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
@@ -71,3 +72,28 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, params: torch.Tensor, gro
     """x [M, K] @ W.T + bias with W[n, k] = q[n, k] * scales[n, k // group] + zeros[n, k // group], n output
     features; packed and params from pack_int4 and pack_int4_params."""
     return panel_matmul("int4_linear", x, n, bias, packed, params, group)
+
+
+def pack_w8a8(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] with values in [-127, 127] -> uint8 [ceil(N / 16), ceil(K / 4), 16, 4]: q + 128 in
+    panel_linear.cpp's W8A8 layout."""
+    return to_unit_panels((q.to(torch.int16) + 128).to(torch.uint8), 4)
+
+
+def unpack_w8a8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of pack_w8a8: int8 [N, K]."""
+    return (from_unit_panels(packed, n, k).to(torch.int16) - 128).to(torch.int8)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The W8A8 kernel's quantization of x [M, K] (float32), as an oracle: symmetric per row, scale = max|x| / 127
+    (1 for a zero row), q = round(x / scale) half to even, |q| <= 127. Returns (q int8, scales [M])."""
+    absmax = x.abs().amax(dim=-1)
+    scales = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
+    return torch.round(x / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
+def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ (scales[:, None] * q).T + bias with x quantized per row (quantize_activations) inside: float32
+    scales [N], packed by pack_w8a8."""
+    return panel_matmul("w8a8_linear", x, scales.numel(), bias, packed, scales)

@@ -51,6 +51,12 @@ struct Vec16 {
     low = {_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)))};
     high = {_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4))};
   }
+  // 16 pairs of bfloat16 (32 values, row j's pair at 2 j): `even` the first of each pair, `odd` the second.
+  static void from_bf16_pairs(const uint16_t* p, Vec16& even, Vec16& odd) {
+    const __m512i v = _mm512_loadu_si512(p);
+    even = {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16))};
+    odd = {_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xFFFF0000u))))};
+  }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   friend Vec16 fmadd(Vec16 a, Vec16 b, Vec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   friend Vec16 operator+(Vec16 a, Vec16 b) { return {_mm512_add_ps(a.v, b.v)}; }
@@ -77,6 +83,13 @@ struct Vec16 {
     const __m256i mask = _mm256_set1_epi32(0x0F);
     low = {_mm256_cvtepi32_ps(_mm256_and_si256(v0, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(v1, mask))};
     high = {_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4))};
+  }
+  static void from_bf16_pairs(const uint16_t* p, Vec16& even, Vec16& odd) {
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+    const __m256i high = _mm256_set1_epi32(int(0xFFFF0000u));
+    even = {_mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16))};
+    odd = {_mm256_castsi256_ps(_mm256_and_si256(v0, high)), _mm256_castsi256_ps(_mm256_and_si256(v1, high))};
   }
   void store(float* p) const {
     _mm256_storeu_ps(p, lo);

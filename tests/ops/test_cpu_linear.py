@@ -1,6 +1,7 @@
-"""The packed dense linear: float32 weights in panels (our kernel) and bfloat16 / odd-sized float32 ones for
-oneDNN compute what F.linear does; oneDNN's rows padded to buckets give the rows' own results, and a batch of
-any row count up to max_num_batched_tokens runs with one of ~100 shapes (oneDNN caches a primitive per shape)."""
+"""The packed dense linear: float32 weights in panels and bfloat16 ones in pair panels (our kernels;
+bfloat16 where the CPU has AVX512_BF16) and other / odd-sized ones for oneDNN compute what F.linear does;
+oneDNN's rows padded to buckets give the rows' own results, and a batch of any row count up to
+max_num_batched_tokens runs with one of ~100 shapes (oneDNN caches a primitive per shape)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,17 @@ import torch
 import torch.nn.functional as F
 
 from ops.cpu import missing_toolchain
-from ops.cpu.linear import EXACT_ROWS, bucket_rows, pack_weight, packed_linear, packing_available
+from ops.cpu.linear import (
+    EXACT_ROWS,
+    bfloat16_linear,
+    bucket_rows,
+    from_unit_panels,
+    instruction_sets,
+    pack_weight,
+    packed_linear,
+    packing_available,
+    to_unit_panels,
+)
 
 
 def test_buckets_bound_the_shapes_and_the_padding():
@@ -35,3 +46,33 @@ def test_packed_rows_compute_what_the_plain_linear_does(rows, out_features, layo
     assert y.shape == (rows, out_features) and y.is_contiguous()
     torch.testing.assert_close(y, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(packed_linear(x[0], packed, None), F.linear(x[0], weight), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(bool(missing_toolchain()), reason=f"CPU kernels not compiled: {missing_toolchain()}")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 15, 16, 17, 33, 70, 600])
+@pytest.mark.parametrize("n,k", [(7, 100), (48, 256), (40, 602), (33, 1030)])
+def test_bfloat16_panels_sum_their_products_in_float32(rows, n, k):
+    """vdpbf16ps (or, without AVX512_BF16, panels widened to float32) against float64 on the same bfloat16
+    numbers: the products are exact, so only float32 summation stands between them. Rows 1-4 take the direct
+    path, more the tiles of 16 rows (and a partial tile); K over the 128-pair chunk and not a multiple of it."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    panels = to_unit_panels(w, 2)
+    assert panels.shape == (-(-n // 16), k // 2, 16, 2) and torch.equal(from_unit_panels(panels, n, k), w)
+    sums = bfloat16_linear(x.float(), panels, None)[:, :n]  # float32 x of bfloat16 values: float32 sums out
+    exact = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    assert ((sums.double() - exact).abs() <= 1e-6 * scale + 1e-6).all()
+    out = bfloat16_linear(x, panels, None)  # bfloat16 x: rounded once to bfloat16
+    assert out.dtype == torch.bfloat16 and torch.equal(out[:, :n], sums.bfloat16())
+
+
+def test_bfloat16_weights_pack_into_pair_panels_where_the_cpu_has_avx512_bf16():
+    if missing_toolchain() or not instruction_sets()["avx512_bf16"]:  # at run time: a broken build fails here
+        pytest.skip("bfloat16 panels need AVX512_BF16 (else oneDNN)")
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(48, 300).bfloat16(), torch.randn(48).bfloat16(), torch.randn(5, 300).bfloat16()
+    packed = pack_weight(weight, 16)
+    assert packed.dim() == 4 and pack_weight(weight[:40], 16).dim() == 2  # 40 rows: not whole panels, oneDNN
+    torch.testing.assert_close(packed_linear(x, packed, bias), F.linear(x, weight, bias), atol=0.05, rtol=0.02)

@@ -1,8 +1,9 @@
-"""The CPU weight-only kernels against a float32 matmul on their own dequantized weights, over the shapes
-they split differently: 1-4 rows of x (widened in registers) and 5+ (widened into a buffer, in tiles of 12
-rows with AVX-512 and 6 with AVX2), output rows not a multiple of the 16-row panel, inputs longer than the
-256-column buffer and not a multiple of it, an odd number of inputs (columns are widened in pairs), int4
-groups from 16 to 128."""
+"""The CPU quantized kernels: weight-only ones against a float32 matmul on their own dequantized weights,
+over the shapes they split differently: 1-4 rows of x (widened in registers) and 5+ (widened into a buffer,
+in tiles of 12 rows with AVX-512 and 6 with AVX2), output rows not a multiple of the 16-row panel, inputs
+longer than the 256-column buffer and not a multiple of it, an odd number of inputs (columns are widened in
+pairs), int4 groups from 16 to 128. W8A8 against float64 on its own quantized numbers (its integer sums are exact), over
+inputs not a multiple of the 4-column unit."""
 
 import pytest
 import torch
@@ -17,9 +18,13 @@ from ops.cpu.quant_linear import (
     pack_int4,
     pack_int4_params,
     pack_int8,
+    pack_w8a8,
+    quantize_activations,
     unpack_int4,
     unpack_int4_params,
     unpack_int8,
+    unpack_w8a8,
+    w8a8_linear,
 )
 
 # Only where nothing can compile: with a toolchain, a kernel that fails to build fails these tests.
@@ -63,3 +68,27 @@ def test_int4_linear_equals_its_dequantized_matmul(rows, n, k, group):
 def test_int4_packing_refuses_an_odd_number_of_inputs():
     with pytest.raises(ValueError, match="must be even"):
         pack_int4(torch.zeros(16, 33, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("rows", [*ROWS, 17, 33])
+@pytest.mark.parametrize("n,k", [(7, 100), (48, 256), (40, 601), (33, 1030), (16, 3)])
+def test_w8a8_linear_equals_float64_on_its_quantized_numbers(rows, n, k):
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    packed = pack_w8a8(q)
+    assert packed.shape == (-(-n // 16), -(-k // 4), 16, 4) and torch.equal(unpack_w8a8(packed, n, k), q)
+    scales = torch.rand(n, generator=gen) * 0.01 + 1e-3
+    x, bias = torch.randn(rows, k, generator=gen) * 3, torch.randn(n, generator=gen)
+    x[0] = 0  # a zero row: scale 1, every integer 0
+    xq, x_scales = quantize_activations(x)
+    assert xq.abs().max() <= 127 and float(x_scales[0]) == 1.0
+    exact = (xq.double() @ q.double().T) * x_scales.double()[:, None] * scales.double() + bias.double()
+    out = w8a8_linear(x, packed, scales, bias)
+    torch.testing.assert_close(out.double(), exact, rtol=1e-6, atol=1e-5)
+    assert torch.equal(out[0], bias)
+
+
+def test_w8a8_activation_error_is_within_half_a_step_per_element():
+    x = torch.randn(9, 300) * torch.logspace(-3, 3, 9)[:, None]
+    xq, scales = quantize_activations(x)
+    assert ((xq.float() * scales[:, None] - x).abs() <= scales[:, None] / 2 * (1 + 1e-6)).all()

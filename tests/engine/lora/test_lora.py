@@ -19,7 +19,7 @@ from engine import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
 from engine.core.block_hash import hash_block_chain
 from engine.lora.manager import LoRAManager
 from engine.lora.peft import load_peft_adapter
-from tests.engine.models.quantized_checkpoints import write_gptq
+from tests.engine.models.quantized_checkpoints import LINEAR, write_gptq
 from tests.engine.models.test_hf_parity import PROMPTS, _random_prompts
 from tests.engine.models.test_moe import HF_EXPERTS
 from tests.engine.models.test_quantization import LOGPROB_TOL, TIE, _oracle_online
@@ -308,6 +308,9 @@ QUANTIZED_BASES = {
     # act-order GPTQ: the base permutes its input columns, the adapter's A reads them in checkpoint order
     "gptq4_actorder": ("qwen2", "gptq", ALL),
     "online_int8_moe": ("qwen3_moe", "int8", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    # W8A8: the base layers take int8 activations, the adapter's delta the float ones (as vLLM's LoRA on a W8A8
+    # base); the oracle is PEFT's unmerged model on the dequantized base, its base layers' inputs rounded.
+    "online_w8a8": ("llama", "w8a8", ALL),
 }
 
 
@@ -326,13 +329,36 @@ def test_adapters_on_quantized_bases_match_the_dequantized_merge(case, hf_checkp
     folder = write_peft_adapter(oracle, tmp_path / "adapter", 8, targets, seed=4, merged=tmp_path / "merged")
     llm = LLM(str(model), max_loras=1, quantization=quantization, **ENGINE)
     slots = llm.llm_engine.core.executor.driver_worker.lora
-    assert {getattr(w.base_layer, "compute", None) for w in slots.layers} == {"int4" if scheme == "gptq" else "int8"}
+    assert {getattr(w.base_layer, "compute", None) for w in slots.layers} == {"int4" if scheme == "gptq" else scheme}
     assert {w.a_stack.dtype for w in slots.layers} == {torch.float32}
     names = ["q", None, "q"]
     outs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False,
                         lora_request=[LoRARequest("q", 1, str(folder)) if n else None for n in names])
+    if scheme == "w8a8":
+        _check_w8a8_adapter(outs, names, oracle, folder)
+        return
     _check_all(outs, PROMPTS[:3], names, oracle, {"q": (folder, tmp_path / "merged")}, case, tol=LOGPROB_TOL, tie=TIE,
                **(HF_EXPERTS if arch.endswith("moe") else {}))
+
+
+def _check_w8a8_adapter(outs, names, base, folder) -> None:
+    from peft import PeftModel
+
+    from tests.parity import greedy, hf_model, quantize_base_layer_inputs
+
+    for prompt, out, name in zip(PROMPTS, outs, names):
+        if name is None:
+            tokens, logprobs = hf_greedy(str(base), prompt, NEW_TOKENS, quantize_inputs_of=LINEAR)
+        else:
+            model = PeftModel.from_pretrained(hf_model(str(base)), str(folder)).eval()
+            hooks = quantize_base_layer_inputs(model)
+            tokens, logprobs = greedy(model, tuple(prompt), NEW_TOKENS)
+            for hook in hooks:
+                hook.remove()
+            model.unload()  # the cached base model back as it was
+        tie = assert_tokens_match(out.outputs[0].token_ids, tokens, logprobs, TIE, f"w8a8 {name}")
+        for i, (token, ours) in enumerate(zip(out.outputs[0].token_ids[:tie], out.outputs[0].logprobs)):
+            assert ours[token].logprob == pytest.approx(logprobs[i][token].item(), abs=LOGPROB_TOL), (name, i)
 
 
 def test_async_llm_takes_lora_requests(lora_setup, tmp_path):

@@ -176,9 +176,11 @@ def write_fp8(dense: Path, out: Path, scales: str, block: int = 32) -> tuple[Pat
 
 
 def write_compressed_tensors(dense: Path, out: Path, bits: int, strategy: str, symmetric: bool,
-                             group_size: int | None = None) -> tuple[Path, Path]:
+                             group_size: int | None = None, activations: bool = False) -> tuple[Path, Path]:
     """llm-compressor's path through the compressed-tensors package: schemes applied to an HF model,
-    min-max scales (the package's calculate_qparams), compressed, saved; the oracle decompressed by it."""
+    min-max scales (the package's calculate_qparams), compressed, saved; the oracle decompressed by it.
+    `activations`: W8A8, int8 activations per token, dynamic (the package then writes the int-quantized
+    format; the oracle holds the weights, and rounding the activations is the parity test's part)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -191,14 +193,17 @@ def write_compressed_tensors(dense: Path, out: Path, bits: int, strategy: str, s
 
     model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
     args = QuantizationArgs(num_bits=bits, type="int", strategy=strategy, group_size=group_size, symmetric=symmetric)
-    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
-                                ignore=["lm_head"])
+    acts = (QuantizationArgs(num_bits=8, type="int", strategy="token", symmetric=True, dynamic=True)
+            if activations else None)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
     apply_quantization_config(model, config, show_progress=False)
     with torch.no_grad():
         for module in model.modules():
             if hasattr(module, "weight_scale"):
                 w = module.weight
-                view = w.view(w.shape[0], -1, group_size) if strategy == "group" else w.view(w.shape[0], 1, -1)
+                rows = {"group": (w.shape[0], -1, group_size), "channel": (w.shape[0], 1, -1), "tensor": (1, 1, -1)}
+                view = w.view(*rows[strategy])
                 scale, zero = calculate_qparams(view.amin(-1), view.amax(-1), module.quantization_scheme.weights)
                 module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
                 module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))

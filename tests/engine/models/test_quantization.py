@@ -18,8 +18,9 @@ from engine.models.layers.quantization import resolve_quant_config
 from engine.models.layers.quantization.awq import unpack_awq
 from engine.models.layers.quantization.online import int4_group_size, quantize_int8
 from engine.models.layers.quantization.weight_only import unpack_int32
-from ops.cpu.quant_linear import dequantize_int4, dequantize_int8, unpack_int4_params
+from ops.cpu.quant_linear import dequantize_int4, dequantize_int8, unpack_int4_params, unpack_w8a8
 from tests.engine.models.quantized_checkpoints import (
+    LINEAR,
     awq_pack,
     gptq_pack_qweight,
     gptq_pack_qzeros,
@@ -40,18 +41,24 @@ PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, l
 
 
 def _check_parity(llm: LLM, oracle: str, what: str) -> None:
+    """W8A8 engines against the oracle with its decoder projections' inputs rounded to int8 per token."""
+    experts = {getattr(m, "expert_compute", None) for m in _modules(llm)}
+    rounded = (*LINEAR, "experts") if "w8a8" in _computes(llm) | experts else ()
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
-        tokens, logprobs = hf_greedy(oracle, prompt, NEW_TOKENS)
+        tokens, logprobs = hf_greedy(oracle, prompt, NEW_TOKENS, quantize_inputs_of=rounded)
         ours = out.outputs[0]
         tie = assert_tokens_match(ours.token_ids, tokens, logprobs, TIE, what)
         for i, (token, lp) in enumerate(zip(ours.token_ids[:tie], ours.logprobs)):
             assert abs(lp[token].logprob - float(logprobs[i][token])) < LOGPROB_TOL, (what, i)
 
 
+def _modules(llm: LLM):
+    return llm.llm_engine.core.executor.driver_worker.model.modules()
+
+
 def _computes(llm: LLM) -> set[str]:
-    model = llm.llm_engine.core.executor.driver_worker.model
-    return {getattr(m, "compute", None) for m in model.modules() if hasattr(m, "quant_method")} - {None}
+    return {getattr(m, "compute", None) for m in _modules(llm) if hasattr(m, "quant_method")} - {None}
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +87,12 @@ CASES = {
     "ct_w4a16_asym_group": ("qwen3", write_compressed_tensors, dict(bits=4, strategy="group", symmetric=False,
                                                                      group_size=32), {"int4"}),
     "ct_w8a16_channel": ("llama", write_compressed_tensors, dict(bits=8, strategy="channel", symmetric=True), {"int8"}),
+    # W8A8 as llm-compressor writes it (int-quantized; the package's symmetric scale is max|w| / 127.5, so -128
+    # occurs); Qwen2's qkv bias added after the integer product.
+    "ct_w8a8_channel": ("qwen2", write_compressed_tensors, dict(bits=8, strategy="channel", symmetric=True,
+                                                                activations=True), {"w8a8"}),
+    "ct_w8a8_tensor": ("llama", write_compressed_tensors, dict(bits=8, strategy="tensor", symmetric=True,
+                                                               activations=True), {"w8a8"}),
     "fp8_block": ("llama", write_fp8, dict(scales="block"), {None}),
     "fp8_tensor": ("qwen2", write_fp8, dict(scales="tensor"), {None}),
     "fp8_channel": ("mistral", write_fp8, dict(scales="channel"), {None}),
@@ -118,8 +131,8 @@ def _int4_by_definition(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
 
 
 def _oracle_online(dense, out, scheme: str):
-    """Our online scheme applied by its definition (int8: quantize_int8, whose scale the tests check; int4:
-    _int4_by_definition) on whole tensors -> dense oracle."""
+    """Our online scheme's weights by their definition (int8 and w8a8: quantize_int8, whose scale the tests check;
+    int4: _int4_by_definition) on whole tensors -> dense oracle (w8a8's activations: _check_parity's part)."""
     from safetensors.torch import load_file
 
     from tests.engine.models.quantized_checkpoints import _is_linear, _write
@@ -127,7 +140,7 @@ def _oracle_online(dense, out, scheme: str):
     oracle = {}
     for name, w in load_file(str(dense / "model.safetensors")).items():
         if _is_linear(name) or (".experts." in name and name.endswith(".weight")):  # routers stay dense
-            if scheme == "int8":
+            if scheme in ("int8", "w8a8"):
                 w = quantize_int8(w).dequantize()
             else:
                 w = _int4_by_definition(w, int4_group_size(w.shape[1]))[2]
@@ -135,7 +148,7 @@ def _oracle_online(dense, out, scheme: str):
     return _write(dense, out, oracle, None)
 
 
-@pytest.mark.parametrize("arch,scheme", [("llama", "int8"), ("qwen2", "int8"), ("qwen3", "int4")])
+@pytest.mark.parametrize("arch,scheme", [("llama", "int8"), ("qwen2", "int8"), ("qwen3", "int4"), ("qwen2", "w8a8")])
 def test_online_quantization_matches_its_dequantized_weights(arch, scheme, hf_checkpoint, tmp_path):
     dense = hf_checkpoint(arch)
     oracle = str(_oracle_online(dense, tmp_path / "oracle", scheme))
@@ -146,7 +159,8 @@ def test_online_quantization_matches_its_dequantized_weights(arch, scheme, hf_ch
     _check_parity(llm, oracle, f"{arch} {scheme}")
 
 
-@pytest.mark.parametrize("arch,scheme,experts", [("qwen3_moe", "int8", "int8"), ("mixtral", "int4", "int4")])
+@pytest.mark.parametrize("arch,scheme,experts", [("qwen3_moe", "int8", "int8"), ("mixtral", "int4", "int4"),
+                                                 ("qwen3_moe", "w8a8", "w8a8")])
 def test_online_quantization_of_experts_matches_its_dequantized_weights(arch, scheme, experts, hf_checkpoint, tmp_path):
     """Every expert's projections quantized by the scheme and run through the quantized kernels (Mixtral's down
     projections have 48 inputs: int4 groups of 16)."""
@@ -169,21 +183,23 @@ def test_quantized_moe_checkpoints_are_refused_naming_the_layer(hf_checkpoint, t
 
 def test_online_quantization_error_within_the_scheme_bound(hf_checkpoint):
     """Every decoder projection of the built model, widened back from its kernel form, is within half a
-    quantization step of the checkpoint's weight (int8: per row; int4: per group), with the scale (and int4's
-    zero point) the scheme defines, computed here from the weight."""
+    quantization step of the checkpoint's weight (int8 and w8a8: per row; int4: per group), with the scale (and
+    int4's zero point) the scheme defines, computed here from the weight."""
     from safetensors.torch import load_file
 
     dense = hf_checkpoint("qwen3")
     weights = load_file(str(dense / "model.safetensors"))
-    for scheme in ("int8", "int4"):
+    for scheme in ("int8", "int4", "w8a8"):
         llm = LLM(str(dense), **ENGINE, quantization=scheme)
         layer = llm.llm_engine.core.executor.driver_worker.model.model.layers[0]
         for fused, names in (("self_attn.qkv_proj", ["q_proj", "k_proj", "v_proj"]), ("mlp.down_proj", ["down_proj"])):
             module = layer.get_submodule(fused)
             parent = fused.rsplit(".", 1)[0]
             w = torch.cat([weights[f"model.layers.0.{parent}.{n}.weight"] for n in names])
-            if scheme == "int8":
-                got, step = dequantize_int8(module.int8_weight, module.weight_scales), module.weight_scales[:, None]
+            if scheme in ("int8", "w8a8"):  # w8a8's weights are int8's
+                q = (dequantize_int8(module.int8_weight, module.weight_scales) if scheme == "int8" else
+                     unpack_w8a8(module.w8a8_weight, *w.shape).float() * module.weight_scales[:, None])
+                got, step = q, module.weight_scales[:, None]
                 assert torch.equal(step[:, 0], w.abs().amax(1) / 127)
             else:
                 g = module.group_size
@@ -233,6 +249,24 @@ def test_tensor_parallel_equals_one_rank(case, quantized, hf_checkpoint):
             assert x[token].logprob == pytest.approx(y[token].logprob, abs=1e-4)
 
 
+def test_tensor_parallel_w8a8_quantizes_each_ranks_slice(hf_checkpoint, tmp_path):
+    """W8A8 at TP=2 quantizes the activations each rank holds: a row-parallel rank (o_proj, down_proj) its slice
+    of each token, with its own scale, as vLLM does (no collective per layer for one shared scale). The oracle
+    rounds those inputs in two slices likewise; column-parallel layers see whole tokens."""
+    dense = hf_checkpoint("qwen2")
+    oracle = str(_oracle_online(dense, tmp_path / "oracle", "w8a8"))
+    llm = LLM(str(dense), **ENGINE, quantization="w8a8", tensor_parallel_size=2)
+    try:
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(PROMPTS, outs):
+        tokens, logprobs = hf_greedy(oracle, prompt, NEW_TOKENS, quantize_inputs_of=LINEAR, row_parallel_ranks=2)
+        tie = assert_tokens_match(out.outputs[0].token_ids, tokens, logprobs, TIE, "w8a8 TP=2")
+        for i, (token, lp) in enumerate(zip(out.outputs[0].token_ids[:tie], out.outputs[0].logprobs)):
+            assert abs(lp[token].logprob - float(logprobs[i][token])) < LOGPROB_TOL, i
+
+
 BAD_CONFIGS = [
     ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes' is not supported"),
     ({"quant_method": "gptq", "bits": 3}, "bits=3 \\(gptq\\)"),
@@ -247,7 +281,16 @@ BAD_CONFIGS = [
      "format='float-quantized'"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
         "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
-        "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}}, "quantizes activations"),
+        "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}},
+     "format='pack-quantized' .* with input_activations; int-quantized is"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False,
+                              "symmetric": True}}}}, "input_activations = .*'dynamic': False.* per token"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": False},
+        "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True,
+                              "symmetric": True}}}}, "symmetric=False .* W8A8 takes 8-bit symmetric"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}}}}, "strategy='tensor'"),
 ]

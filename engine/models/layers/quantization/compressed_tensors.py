@@ -1,11 +1,14 @@
 """compressed-tensors checkpoints (llm-compressor): weight-only integer schemes in the `pack-quantized`
-format, 4 or 8 bit (W4A16, W8A16), per channel or per group, symmetric or not, act-order groups.
+format, 4 or 8 bit (W4A16, W8A16), per channel or per group, symmetric or not, act-order groups; and W8A8 in
+the `int-quantized` format (int8 weights per channel or per tensor, symmetric; activations int8, dynamic per
+token, symmetric: w8a8.py computes it).
 
 Per linear layer: `weight_packed` int32 [N, K * bits / 32], values packed along the input lowest bits
 first, each stored as its signed value + 2**(bits-1); `weight_scale` [N, G]; `weight_zero_point` int32
 [N * bits / 32, G] packed along the output, likewise offset (asymmetric only); `weight_g_idx` int32 [K]
 (actorder: group); `weight_shape` [2]. W[n, k] = weight_scale[n, g] * (q[n, k] - z[n, g]) with z =
-2**(bits-1) when symmetric. Schemes that quantize activations (W8A8, FP8, ...) are refused."""
+2**(bits-1) when symmetric. W8A8: `weight` int8 [N, K] and `weight_scale` [N, 1] (or one value): W = scale * q.
+Other schemes that quantize activations (static scales, FP8, 4-bit activations...) are refused."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 from torch import nn
 
 from engine.models.layers.quantization.base import QuantizationConfig, QuantMethod
+from engine.models.layers.quantization.w8a8 import W8A8Method
 from engine.models.layers.quantization.weight_only import (
     QuantizedWeight,
     WeightOnlyMethod,
@@ -25,6 +29,7 @@ from engine.models.layers.quantization.weight_only import (
     loaded_g_idx,
     num_groups,
     quant_param,
+    row_scale_loader,
     unpack_int32,
 )
 
@@ -32,8 +37,8 @@ from engine.models.layers.quantization.weight_only import (
 class WeightScheme:
     """One config group's weight arguments, checked."""
 
-    def __init__(self, targets: list[str], weights: dict[str, Any], where: str) -> None:
-        self.targets = targets
+    def __init__(self, targets: list[str], weights: dict[str, Any], where: str, w8a8: bool = False) -> None:
+        self.targets, self.w8a8 = targets, w8a8
         self.bits = weights.get("num_bits")
         self.strategy = weights.get("strategy")
         self.symmetric = weights.get("symmetric", True)
@@ -42,7 +47,12 @@ class WeightScheme:
         if weights.get("type", "int") != "int" or self.bits not in (4, 8):
             raise ValueError(f"model: quantization_config.{where}.weights: type={weights.get('type')!r} num_bits="
                              f"{self.bits} (compressed-tensors) is not supported; int with 4 or 8 bits is")
-        if self.strategy not in ("channel", "group") or (self.strategy == "group" and not self.group_size):
+        if w8a8:
+            if self.bits != 8 or not self.symmetric or self.strategy not in ("channel", "tensor"):
+                raise ValueError(f"model: quantization_config.{where}.weights: num_bits={self.bits} symmetric="
+                                 f"{self.symmetric} strategy={self.strategy!r} with int8 activations is not supported; "
+                                 "W8A8 takes 8-bit symmetric weights per channel or per tensor")
+        elif self.strategy not in ("channel", "group") or (self.strategy == "group" and not self.group_size):
             raise ValueError(f"model: quantization_config.{where}.weights.strategy={self.strategy!r} "
                              "(compressed-tensors) is not supported; channel and group are")
         if weights.get("dynamic"):
@@ -62,15 +72,19 @@ class CompressedTensorsConfig(QuantizationConfig):
         for name, group in (raw.get("config_groups") or {}).items():
             where = f"config_groups.{name}"
             group_format = group.get("format") or fmt
-            if group_format != "pack-quantized":
+            w8a8 = bool(group.get("input_activations"))
+            expected = "int-quantized" if w8a8 else "pack-quantized"
+            if group_format != expected:
                 raise ValueError(f"model: quantization_config.{where} format={group_format!r} (compressed-tensors) "
-                                 "is not supported; pack-quantized is")
-            if group.get("input_activations") or group.get("output_activations"):
-                raise ValueError(f"model: quantization_config.{where} quantizes activations (e.g. W8A8), which is "
-                                 "not supported; weight-only schemes (W4A16, W8A16) are")
+                                 f"is not supported {'with' if w8a8 else 'without'} input_activations; {expected} is")
+            if group.get("output_activations"):
+                raise ValueError(f"model: quantization_config.{where}.output_activations (quantized outputs) is not "
+                                 "supported")
+            if w8a8:
+                _check_dynamic_int8_tokens(group["input_activations"], f"{where}.input_activations")
             if not group.get("weights"):
                 raise ValueError(f"model: quantization_config.{where} has no weights scheme")
-            schemes.append(WeightScheme(list(group.get("targets") or []), group["weights"], where))
+            schemes.append(WeightScheme(list(group.get("targets") or []), group["weights"], where, w8a8))
         if not schemes:
             raise ValueError("model: quantization_config.config_groups (compressed-tensors) is empty")
         if raw.get("kv_cache_scheme"):
@@ -84,11 +98,20 @@ class CompressedTensorsConfig(QuantizationConfig):
         for scheme in self.schemes:
             hits = [any(_target_matches(name, t) for t in scheme.targets) for name in names]
             if all(hits):
-                return CompressedTensorsWNA16Method(scheme)
+                return CompressedTensorsW8A8Method() if scheme.w8a8 else CompressedTensorsWNA16Method(scheme)
             if any(hits):
                 break
         raise ValueError(f"model: no quantization_config.config_groups entry of the compressed-tensors checkpoint "
                          f"covers all of {', '.join(names)}")
+
+
+def _check_dynamic_int8_tokens(acts: dict[str, Any], where: str) -> None:
+    """W8A8's activations: what w8a8.py computes, int8 per token, dynamic, symmetric."""
+    found = {key: acts.get(key) for key in ("type", "num_bits", "strategy", "dynamic", "symmetric")}
+    if found != {"type": "int", "num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": True}:
+        raise ValueError(f"model: quantization_config.{where} = {found} is not supported; int8 activations are, "
+                         "quantized per token as they arrive (type int, num_bits 8, strategy token, dynamic true, "
+                         "symmetric true)")
 
 
 def _target_matches(name: str, target: str) -> bool:
@@ -133,3 +156,14 @@ class CompressedTensorsWNA16Method(WeightOnlyMethod):
         g_idx = (loaded_g_idx(layer, layer.weight_g_idx, group_size) if s.act_order
                  else contiguous_g_idx(layer, group_size))
         return QuantizedWeight(unpack_int32(layer.weight_packed.data, s.bits, 1), scales, zeros, g_idx, s.bits)
+
+
+class CompressedTensorsW8A8Method(W8A8Method):
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, params_dtype) -> None:
+        n = sum(output_partition_sizes)
+        quant_param(layer, "weight", (n, input_size_per_partition), torch.int8, output_dim=0, input_dim=1)
+        scale = quant_param(layer, "weight_scale", (n,), torch.float32)
+        scale.weight_loader = row_scale_loader(layer)
+
+    def int8_weight(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer.weight.data, layer.weight_scale.data

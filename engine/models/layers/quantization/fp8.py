@@ -19,7 +19,7 @@ from engine.models.layers.fused_moe import FusedMoE
 from engine.models.layers.quantization.base import QuantizationConfig, QuantMethod
 from engine.models.layers.quantization.dense import DenseLinearMethod
 from engine.models.layers.quantization.fp8_moe import Fp8BlockFusedMoEMethod
-from engine.models.layers.quantization.weight_only import quant_param
+from engine.models.layers.quantization.weight_only import quant_param, row_scale_loader
 
 _DENSE = DenseLinearMethod()  # the dequantized weight computes as a dense layer
 
@@ -78,7 +78,7 @@ class Fp8LinearMethod(QuantMethod):
                         packed_dim=0, pack_factor=bn)
         else:
             scale = quant_param(layer, "weight_scale", (n,), torch.float32)
-            scale.weight_loader = _row_scale_loader(layer)
+            scale.weight_loader = row_scale_loader(layer)
         input_scale = quant_param(layer, "input_scale", (len(output_partition_sizes),), torch.float32, optional=True)
         input_scale.weight_loader = lambda param, loaded, shard_id=None: None  # activations stay unquantized
 
@@ -98,25 +98,3 @@ class Fp8LinearMethod(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return _DENSE.apply(layer, x, bias)
-
-
-def _row_scale_loader(layer: nn.Module):
-    """A per-tensor scale (one value) fills its sub-projection's rows; a per-channel one ([N] or [N, 1])
-    is sliced like the weight's rows."""
-
-    def load(param: torch.Tensor, loaded, shard_id: int | None = None) -> None:
-        if shard_id is None:
-            offset, size, source = 0, param.shape[0], layer.tp_rank
-        else:
-            offset, size = layer.shard_offset_and_size(shard_id)
-            source = layer.shard_source_index(shard_id)
-        rows = param.data.narrow(0, offset, size)
-        if loaded.shape in ((), (1,)):
-            rows.fill_(float(loaded.load().reshape(())))
-            return
-        if loaded.shape[1:] not in ((), (1,)):
-            raise ValueError(f"has shape {tuple(loaded.shape)}; a weight_scale is one value or one per row")
-        start = source * size if loaded.shape[0] != size else 0  # row-parallel layers keep every row
-        rows.copy_(loaded.narrow(0, start, size).load().reshape(size))
-
-    return load

@@ -1,6 +1,6 @@
-"""Online quantization of a dense checkpoint at load (`EngineConfig.quantization`: int8 or int4), weight-
-only, for every linear projection inside the decoder layers and every expert of an MoE layer (online_moe.py;
-the embeddings, the LM head and MoE routers stay in the compute dtype):
+"""Online quantization of a dense checkpoint at load (`EngineConfig.quantization`: int8, int4 or w8a8) for every
+linear projection inside the decoder layers and every expert of an MoE layer (online_moe.py; the embeddings,
+the LM head and MoE routers stay in the compute dtype):
 
 - int8: symmetric per output row: scale = max|w| of the row / 127, q = round(w / scale), |q| <= 127;
   error per weight <= scale / 2.
@@ -9,6 +9,7 @@ the embeddings, the LM head and MoE routers stay in the compute dtype):
   range / 15, zero point z = round(-min / scale), q = clamp(round(w / scale) + z, 0, 15); error per weight
   <= scale / 2. Asymmetric (like GPTQ and AWQ, unlike llama.cpp's q4_0) because a 4-bit grid is coarse
   enough for its offset to matter.
+- w8a8: int8's weights; activations quantized per token as they arrive (w8a8.py states its contract).
 
 The loaded weight is this rank's partition. Row-parallel ranks hold a slice of each row: int8 takes the
 row's maximum over the tensor-parallel group, and int4's groups must not straddle two ranks, so that every
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.models.layers.quantization.w8a8 import W8A8Method
 from engine.models.layers.quantization.weight_only import (
     QuantizedWeight,
     WeightOnlyMethod,
@@ -64,20 +66,42 @@ def quantize_int4(weight: torch.Tensor, group_size: int, g_idx: torch.Tensor | N
 
 
 
+def dense_weight_param(layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       params_dtype: torch.dtype) -> None:
+    """The dense checkpoint's weight, loaded as the dense method loads it, to be quantized after loading."""
+    quant_param(layer, "weight", (sum(output_partition_sizes), input_size_per_partition), params_dtype,
+                output_dim=0, input_dim=1)
+
+
+def quantize_layer_int8(layer: nn.Module) -> QuantizedWeight:
+    """The layer's loaded weight in int8; a row-parallel rank takes each row's maximum over the whole row."""
+    weight = layer.weight.data
+    absmax = weight.float().abs().amax(dim=1)
+    if layer.input_size_per_partition != layer.input_size:
+        absmax = layer.tp_group.all_reduce_max(absmax)
+    return quantize_int8(weight, absmax)
+
+
 class OnlineQuantMethod(WeightOnlyMethod):
     def __init__(self, scheme: str) -> None:
         self.scheme = scheme
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, params_dtype) -> None:
-        quant_param(layer, "weight", (sum(output_partition_sizes), input_size_per_partition), params_dtype,
-                    output_dim=0, input_dim=1)
+        dense_weight_param(layer, input_size_per_partition, output_partition_sizes, params_dtype)
 
     def quantized_weight(self, layer: nn.Module) -> QuantizedWeight:
-        weight = layer.weight.data
         if self.scheme == "int8":
-            absmax = weight.float().abs().amax(dim=1)
-            if layer.input_size_per_partition != layer.input_size:  # row-parallel: the whole row's max
-                absmax = layer.tp_group.all_reduce_max(absmax)
-            return quantize_int8(weight, absmax)
+            return quantize_layer_int8(layer)
         group = int4_group_size(layer.input_size)
-        return quantize_int4(weight, group, contiguous_g_idx(layer, group))
+        return quantize_int4(layer.weight.data, group, contiguous_g_idx(layer, group))
+
+
+class OnlineW8A8Method(W8A8Method):
+    """`quantization: "w8a8"`: weights as online int8's, activations quantized per token (w8a8.py)."""
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, params_dtype) -> None:
+        dense_weight_param(layer, input_size_per_partition, output_partition_sizes, params_dtype)
+
+    def int8_weight(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        qw = quantize_layer_int8(layer)
+        return qw.q - 128, qw.scales[0]

@@ -1,5 +1,5 @@
-"""OnlineQuantConfig (`EngineConfig.quantization`: int8 or int4 on a dense checkpoint): which method each layer
-gets: online.py's for the decoder's linear projections, online_moe.py's for expert layers; none elsewhere."""
+"""OnlineQuantConfig (`EngineConfig.quantization`: int8, int4 or w8a8 on a dense checkpoint): which method each
+layer gets: online.py's for the decoder's linear projections, online_moe.py's for expert layers; none elsewhere."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from torch import nn
 
 from engine.models.layers.fused_moe import FusedMoE
 from engine.models.layers.quantization.base import QuantizationConfig, QuantMethod
-from engine.models.layers.quantization.online import OnlineQuantMethod, int4_group_size
+from engine.models.layers.quantization.online import OnlineQuantMethod, OnlineW8A8Method, int4_group_size
 from engine.models.layers.quantization.online_moe import OnlineQuantMoEMethod
 
 
@@ -26,4 +26,4 @@ class OnlineQuantConfig(QuantizationConfig):
                 raise ValueError(f"quantization: 'int4' groups {prefix}'s {layer.input_size} inputs by {group}, which "
                                  f"does not divide the {layer.input_size_per_partition} each rank holds; use another "
                                  "tensor_parallel_size or 'int8'")
-        return OnlineQuantMethod(self.name)
+        return OnlineW8A8Method() if self.name == "w8a8" else OnlineQuantMethod(self.name)

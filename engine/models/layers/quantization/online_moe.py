@@ -1,8 +1,8 @@
-"""Online int8 / int4 for mixture-of-experts layers (`EngineConfig.quantization` on an MoE checkpoint): each
+"""Online int8 / int4 / w8a8 for mixture-of-experts layers (`EngineConfig.quantization` on an MoE checkpoint): each
 expert's gate_up and down projections quantized by the linear layers' schemes (engine/models/layers/
-quantization/online.py: int8 per row, int4 per group of a row's inputs), then multiplied expert by expert
-through the same quantized kernels (dequantized once to float32 instead where a linear layer's would be:
-no kernel for the device, or no compiler).
+quantization/online.py: int8 per row, int4 per group of a row's inputs; w8a8: int8's weights), then multiplied
+expert by expert through the same quantized kernels (weight-only ones dequantized once to float32 instead where
+a linear layer's would be: no kernel for the device, or no compiler).
 
 Tensor parallelism slices each expert's intermediate dim: down's rows are split across ranks, so int8 takes
 each row's maximum over the group and int4's groups must not straddle two ranks, as for row-parallel linear
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from engine.models.layers.fused_moe import DenseFusedMoEMethod, FusedMoE, FusedMoEMethod
 from engine.models.layers.quantization.online import int4_group_size, quantize_int4, quantize_int8
+from engine.models.layers.quantization.w8a8 import w8a8_apply, w8a8_weight
 from engine.models.layers.quantization.weight_only import QuantizedWeight, kernel_form, select_compute
 from ops.cpu.quant_linear import int4_linear, int8_linear
 
@@ -43,8 +44,11 @@ class OnlineQuantMoEMethod(FusedMoEMethod):
             weight = getattr(layer, f"{name}_weight").data  # [E, N, K]
             delattr(layer, f"{name}_weight")
             experts = self._quantize(layer, weight, row_parallel and layer.intermediate_sliced)
-            compute = select_compute(experts[0], weight.device)
-            if compute == "dense":
+            compute = "w8a8" if self.scheme == "w8a8" else select_compute(experts[0], weight.device)
+            if compute == "w8a8":  # the linear layers' W8A8 weights (w8a8.py), stacked over experts
+                layer.register_buffer(f"{name}_w8a8_weight", torch.stack([w8a8_weight(qw.q - 128) for qw in experts]))
+                layer.register_buffer(f"{name}_weight_scales", torch.stack([qw.scales[0].float() for qw in experts]))
+            elif compute == "dense":
                 layer.register_buffer(f"{name}_weight",
                                       torch.stack([qw.dequantize().to(weight.dtype) for qw in experts]))
             else:  # the linear layers' kernel form, stacked over experts (contiguous groups: input_perm is None)
@@ -60,7 +64,7 @@ class OnlineQuantMoEMethod(FusedMoEMethod):
 
     def _quantize(self, layer: FusedMoE, weight: torch.Tensor, sliced: bool) -> list[QuantizedWeight]:
         """Every local expert's [N, K] projection in the scheme; `sliced`: K is this rank's part of each row."""
-        if self.scheme == "int8":
+        if self.scheme in ("int8", "w8a8"):
             absmax = weight.float().abs().amax(dim=-1)  # [E, N]
             if sliced:  # the whole row's maximum, in one all-reduce for every expert
                 absmax = layer.tp_group.all_reduce_max(absmax)
@@ -88,6 +92,8 @@ def _linear(layer: FusedMoE, name: str, expert: int, x: torch.Tensor) -> torch.T
     compute = get("compute")
     if compute == "int8":
         return int8_linear(x, get("int8_weight")[expert], get("weight_scales")[expert], None)
+    if compute == "w8a8":
+        return w8a8_apply(get("w8a8_weight")[expert], get("weight_scales")[expert], x, None)
     if compute == "int4":
         return int4_linear(x, get("int4_weight")[expert], get("int4_params")[expert], get("group_size"),
                            get("out_features"), None)

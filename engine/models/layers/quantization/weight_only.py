@@ -139,14 +139,14 @@ def select_compute(qw: QuantizedWeight, device: torch.device) -> str:
     if device.type != "cpu":
         return "dense"  # GPU kernels for these formats are future work: dequantized until then
     if qw.bits == 8 and qw.scales.shape[0] == 1 and bool((qw.zeros == 128).all()):
-        return "int8" if _kernels() else "dense"
+        return "int8" if quant_kernels_available() else "dense"
     if qw.bits == 4 and int4_layout(qw)[1] is not None:
-        return "int4" if _kernels() else "dense"
+        return "int4" if quant_kernels_available() else "dense"
     return "dense"
 
 
 @functools.cache  # one warning per process, not one per layer
-def _kernels() -> bool:
+def quant_kernels_available() -> bool:
     if linear_kernels_available():
         return True
     logger.warning("no CPU quantized kernels (no compiler?): quantized weights dequantized to the compute dtype")
@@ -199,3 +199,25 @@ def check_packing(layer: nn.Module, sizes: list[int], pack_factor: int, what: st
         if size % pack_factor:
             raise ValueError(f"model: {layer.prefix}: {size} {what} per rank do not pack into int32s of {pack_factor} "
                              "values; use another tensor_parallel_size")
+
+
+def row_scale_loader(layer: nn.Module):
+    """A weight_scale loader: a per-tensor scale (one value) fills its sub-projection's rows; a per-channel one
+    ([N] or [N, 1]) is sliced like the weight's rows (FP8, compressed-tensors W8A8)."""
+
+    def load(param: torch.Tensor, loaded, shard_id: int | None = None) -> None:
+        if shard_id is None:
+            offset, size, source = 0, param.shape[0], layer.tp_rank
+        else:
+            offset, size = layer.shard_offset_and_size(shard_id)
+            source = layer.shard_source_index(shard_id)
+        rows = param.data.narrow(0, offset, size)
+        if loaded.shape in ((), (1,)):
+            rows.fill_(float(loaded.load().reshape(())))
+            return
+        if loaded.shape[1:] not in ((), (1,)):
+            raise ValueError(f"has shape {tuple(loaded.shape)}; a weight_scale is one value or one per row")
+        start = source * size if loaded.shape[0] != size else 0  # row-parallel layers keep every row
+        rows.copy_(loaded.narrow(0, start, size).load().reshape(size))
+
+    return load
