@@ -1,5 +1,6 @@
 """Decode throughput of quantized weights: float32 (the prepacked dense path), bfloat16, int8 and int4
-(online, weight-only), side by side with llama.cpp's f32, q8_0 and q4_0 on the same weights.
+(online, weight-only) and w8a8 (int8 weights and activations), side by side with llama.cpp's f32, q8_0 and
+q4_0 on the same weights.
 
     python -m benchmarks.quantized [--models pagedserve-56m pagedserve-600m] [--batches 1 16 64]
                                    [--decode-tokens 64] [--threads 2] [--rounds 2] [--no-llamacpp]
@@ -16,9 +17,10 @@ Beside the rates it prints the bytes of weights a decode step reads (all weights
 the speed-up those bytes allow over float32: with an unquantized LM head that ceiling is low on a small
 model (the 56M model's 32k x 512 head is two fifths of its float32 bytes). Bytes bound batch 1; at batch
 16 a step is bound by arithmetic instead, so it also prints the multiply-adds per second of one layer's
-2048 x 1536 layer (600M shape, cache-resident) at 16 rows for each weight format, and float32's at 256 rows: the most
-this machine's float32 FMAs give, and so the most any weight-only format (which widens its weights to
-float32 and multiplies in float32) can reach."""
+2048 x 1536 layer (600M shape, cache-resident) at 1, 16, 64 and 256 rows for each weight format, bfloat16 both
+through our vdpbf16ps kernel (where the CPU has AVX512_BF16) and through oneDNN's bfloat16 matmul: float32's at
+256 rows is the most this machine's float32 FMAs give, and so the most any weight-only format (which widens
+its weights to float32 and multiplies in float32) can reach; bfloat16 and W8A8 multiply narrower numbers."""
 
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ from engine.models.builtin import materialize_builtin
 from engine.models.loader import weight_bytes
 
 OURS = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
-        "int8": dict(dtype="float32", quantization="int8"), "int4": dict(dtype="float32", quantization="int4")}
+        "int8": dict(dtype="float32", quantization="int8"), "int4": dict(dtype="float32", quantization="int4"),
+        "w8a8": dict(dtype="float32", quantization="w8a8")}
 LLAMACPP = {"f32": None, "q8_0": "Q8_0", "q4_0": "Q4_0"}
 
 
@@ -111,32 +114,52 @@ def bench_llamacpp(model: str, args) -> dict:
     return rates
 
 
+RATE_ROWS = (1, 16, 64, 256)
+
+
 def compute_rates(threads: int, n: int = 2048, k: int = 1536, group: int = 128) -> dict[tuple[str, int], float]:
     """GMAC/s of one n x k linear layer per weight format and rows of x (weights cache-resident: arithmetic,
-    not memory, is what this measures)."""
-    from ops.cpu.linear import pack_weight, packed_linear
-    from ops.cpu.quant_linear import int4_linear, int8_linear, pack_int4, pack_int4_params, pack_int8
+    not memory, is what this measures). Formats are timed in turns, best of 5 rounds each."""
+    from ops.cpu.linear import bfloat16_linear, instruction_sets, pack_weight, packed_linear, to_unit_panels
+    from ops.cpu.quant_linear import (
+        int4_linear,
+        int8_linear,
+        pack_int4,
+        pack_int4_params,
+        pack_int8,
+        pack_w8a8,
+        w8a8_linear,
+    )
 
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
-    packed = pack_weight(torch.randn(n, k, generator=gen), 16)
-    q8, s8 = (pack_int8(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)),
-              torch.rand(n, generator=gen) / 100)
+    w = torch.randn(n, k, generator=gen)
+    packed = pack_weight(w, 16)
+    q8, s8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 100
     q4, s4 = pack_int4(torch.randint(0, 16, (n, k), generator=gen)), torch.rand(n, k // group, generator=gen) / 100
-    p4 = pack_int4_params(s4, -8 * s4)
-    calls = {"float32": lambda x: packed_linear(x, packed, None), "int8": lambda x: int8_linear(x, q8, s8, None),
-             "int4": lambda x: int4_linear(x, q4, p4, group, n, None)}
-    rates = {}
-    for name, rows in [("float32", 16), ("int8", 16), ("int4", 16), ("float32", 256)]:
-        x = torch.randn(rows, k, generator=gen)
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(4):
-                calls[name](x)
-            best = min(best, (time.perf_counter() - start) / 4)
-        rates[name, rows] = rows * n * k / best / 1e9
-    return rates
+    p4, p8, w8 = pack_int4_params(s4, -8 * s4), pack_int8(q8), pack_w8a8(q8)
+    bf16 = w.bfloat16()
+    bf16_panels = to_unit_panels(bf16, 2)
+    onednn = {rows: torch.ops.mkldnn._reorder_linear_weight(bf16, rows) for rows in RATE_ROWS}  # packed per batch
+    calls = {"float32": lambda x: packed_linear(x, packed, None),
+             "bfloat16 oneDNN": lambda x: torch.ops.mkldnn._linear_pointwise(x, onednn[x.shape[0]], None, "none", [],
+                                                                             ""),
+             "int8": lambda x: int8_linear(x, p8, s8, None), "int4": lambda x: int4_linear(x, q4, p4, group, n, None),
+             "w8a8": lambda x: w8a8_linear(x, w8, s8, None)}
+    if instruction_sets()["avx512_bf16"]:
+        calls["bfloat16"] = lambda x: bfloat16_linear(x, bf16_panels, None)
+    inputs = {rows: torch.randn(rows, k, generator=gen) for rows in RATE_ROWS}
+    best: dict[tuple[str, int], float] = {}
+    for _ in range(5):
+        for rows, x in inputs.items():
+            for name, call in calls.items():
+                xx = x.bfloat16() if name.startswith("bfloat16") else x
+                call(xx)
+                start = time.perf_counter()
+                for _ in range(4):
+                    call(xx)
+                best[name, rows] = min(best.get((name, rows), float("inf")), (time.perf_counter() - start) / 4)
+    return {key: key[1] * n * k / seconds / 1e9 for key, seconds in best.items()}
 
 
 def main() -> None:
@@ -157,8 +180,9 @@ def main() -> None:
         print(f"\n## {model}: decode tokens/s ({args.prompt_len}-token prompts, {args.decode_tokens} decoded, "
               f"{args.threads} threads, best of {args.rounds})\n")
         names = [n for n in OURS if n in args.systems] + [f"llama.cpp {n}" for n in LLAMACPP if peer]
-        ratios = [("int8/f32", "int8", "float32"), ("int4/f32", "int4", "float32"),
-                  ("int8/q8_0", "int8", "llama.cpp q8_0"), ("int4/q4_0", "int4", "llama.cpp q4_0")]
+        ratios = [("int8/f32", "int8", "float32"), ("int4/f32", "int4", "float32"), ("bf16/f32", "bfloat16", "float32"),
+                  ("w8a8/bf16", "w8a8", "bfloat16"), ("int8/q8_0", "int8", "llama.cpp q8_0"),
+                  ("w8a8/q8_0", "w8a8", "llama.cpp q8_0"), ("int4/q4_0", "int4", "llama.cpp q4_0")]
         print("| batch | " + " | ".join(names) + " | " + " | ".join(r[0] for r in ratios) + " |")
         print("|---:|" + "---:|" * (len(names) + len(ratios)))
         for batch in args.batches:
@@ -172,13 +196,21 @@ def main() -> None:
                 print(f"  {name:9s} {n / 2**20:9.1f} MiB   ceiling {nbytes['float32'] / n:.2f}x")
 
     rates = compute_rates(args.threads)
+    names = [name for name in ("float32", "bfloat16", "bfloat16 oneDNN", "int8", "int4", "w8a8")
+             if (name, RATE_ROWS[0]) in rates]
+    print(f"\nmultiply-adds per second, one 2048 x 1536 layer (cache-resident), {args.threads} threads (GMAC/s):\n")
+    print("| rows | " + " | ".join(names) + " | bfloat16/oneDNN | w8a8/bfloat16 |")
+    print("|---:|" + "---:|" * (len(names) + 2))
+    for rows in RATE_ROWS:
+        row = {name: rates[name, rows] for name in names}
+        ratios = [row[a] / row[b] if a in row and b in row else None
+                  for a, b in (("bfloat16", "bfloat16 oneDNN"), ("w8a8", "bfloat16"))]
+        print(f"| {rows} | " + " | ".join(f"{row[name]:.1f}" for name in names) + " | "
+              + " | ".join(f"{r:.2f}x" if r else "-" for r in ratios) + " |")
     peak = rates["float32", 256]
-    print(f"\nmultiply-adds per second, one 2048 x 1536 layer (cache-resident), {args.threads} threads (GMAC/s):")
-    for name in ("float32", "int8", "int4"):
-        print(f"  {name:9s} 16 rows {rates[name, 16]:6.1f}")
-    print(f"  float32   256 rows {peak:5.1f}  (the machine's float32 FMA throughput: the ceiling of every format)")
-    print(f"a batch-16 step bound by arithmetic allows a weight-only format at most {peak / rates['float32', 16]:.2f}x "
-          "float32 on its linear layers")
+    print(f"\nfloat32 at 256 rows, {peak:.1f} GMAC/s, is the machine's float32 FMA throughput: a batch-16 step "
+          f"bound by arithmetic allows a weight-only format at most {peak / rates['float32', 16]:.2f}x float32 on its "
+          "linear layers; bfloat16 (vdpbf16ps) and w8a8 (vpdpbusd) multiply 2 and 4 numbers per float32 lane")
 
 
 if __name__ == "__main__":

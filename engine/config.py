@@ -169,13 +169,15 @@ class EngineConfig(BaseModel):
         "other engines (requests with kv_transfer_params {do_remote_decode: true}) and/or loads KV they "
         "produced (kv_transfer_params from a producer's output). None: off.",
     )
-    quantization: Literal["gptq", "awq", "compressed-tensors", "fp8", "int8", "int4", "w8a8"] | None = Field(
+    quantization: Literal["gptq", "awq", "compressed-tensors", "fp8",
+                          "int8", "int4", "w8a8", "w4a8"] | None = Field(
         None,
         description="Quantized weights. None: as the checkpoint's `quantization_config` says (GPTQ, AWQ, "
         "compressed-tensors W4A16/W8A16/W8A8, FP8), or dense. A checkpoint format's name: the same, checked against "
         "the checkpoint. `int8` / `int4`: quantize a dense checkpoint's decoder projections at load, weight-only "
         "(int8 per output row, int4 in groups of 128 input columns). `w8a8`: int8 weights and int8 activations "
-        "quantized per token as they arrive (integer dot products: VNNI where the CPU has it). On CPU int8 and "
+        "quantized per token as they arrive (integer dot products: VNNI where the CPU has it); `w4a8` (opt-in): int4 "
+        "weights, symmetric in groups of 128, with int8 activations. On CPU int8 and "
         "4-bit weights run through weight-only kernels; FP8 and grouped 8-bit weights are dequantized at load.",
     )
     speculative_config: SpeculativeConfig | None = Field(

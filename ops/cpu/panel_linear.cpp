@@ -349,8 +349,9 @@ constexpr int64_t kDotTileRows = 16;     // rows of x per tile: 16 accumulators 
 #if defined(__AVX512BF16__)
 struct Bf16Dot {
   using Acc = __m512;
+  static const uint8_t* at(const uint8_t* w, int64_t u) { return w + u * kUnitBytes; }
+  static __m512i unit(const uint8_t* w, int64_t u) { return _mm512_loadu_si512(at(w, u)); }
   static Acc zero() { return _mm512_setzero_ps(); }
-  static __m512i unit(const uint8_t* w) { return _mm512_loadu_si512(w); }
   static Acc dot(Acc acc, const uint8_t* x, __m512i w) {
     asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
     return acc;
@@ -363,8 +364,9 @@ struct Bf16Dot {
 #if defined(__AVX512VNNI__)
 struct U8S8Dot {
   using Acc = __m512i;
+  static const uint8_t* at(const uint8_t* w, int64_t u) { return w + u * kUnitBytes; }
+  static __m512i unit(const uint8_t* w, int64_t u) { return _mm512_loadu_si512(at(w, u)); }
   static Acc zero() { return _mm512_setzero_si512(); }
-  static __m512i unit(const uint8_t* w) { return _mm512_loadu_si512(w); }
   static Acc dot(Acc acc, const uint8_t* x, __m512i w) {
     asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
     return acc;
@@ -372,6 +374,15 @@ struct U8S8Dot {
   static Acc add(Acc a, Acc b) { return _mm512_add_epi32(a, b); }
   static Acc load(const void* p) { return _mm512_loadu_si512(p); }
   static void store(void* p, Acc a) { _mm512_storeu_si512(p, a); }
+};
+
+// W4A8's panels: 64 bytes hold two units, unit 2 v in their low nibbles and 2 v + 1 in their high ones.
+struct U4S8Dot : U8S8Dot {
+  static const uint8_t* at(const uint8_t* w, int64_t u) { return w + (u >> 1) * kUnitBytes; }
+  static __m512i unit(const uint8_t* w, int64_t u) {
+    const __m512i bytes = _mm512_loadu_si512(at(w, u));
+    return _mm512_and_si512(_mm512_srl_epi16(bytes, _mm_cvtsi64_si128((u & 1) * 4)), _mm512_set1_epi8(0x0F));
+  }
 };
 #endif
 
@@ -390,14 +401,13 @@ void dot_tile(const uint8_t* x, int64_t units, int64_t u0, int64_t u1, const uin
   int64_t u = u0;
   for (; u + SPLIT <= u1; u += SPLIT) {
     PAGEDSERVE_UNROLL for (int s = 0; s < SPLIT; ++s) {
-      const uint8_t* unit = w + (u + s) * kUnitBytes;
-      if (stream) _mm_prefetch(reinterpret_cast<const char*>(unit) + kPrefetchBytes, _MM_HINT_T0);
-      const __m512i units_of_w = Dot::unit(unit);
+      if (stream) _mm_prefetch(reinterpret_cast<const char*>(Dot::at(w, u + s)) + kPrefetchBytes, _MM_HINT_T0);
+      const __m512i units_of_w = Dot::unit(w, u + s);
       PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) acc[s][m] = Dot::dot(acc[s][m], x_unit(m, u + s), units_of_w);
     }
   }
   for (; u < u1; ++u) {
-    const __m512i units_of_w = Dot::unit(w + u * kUnitBytes);
+    const __m512i units_of_w = Dot::unit(w, u);
     PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) acc[0][m] = Dot::dot(acc[0][m], x_unit(m, u), units_of_w);
   }
   char* t = static_cast<char*>(tiles);
@@ -693,6 +703,93 @@ void w8a8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor sca
   });
 }
 
+// out[m, n] = sx[m] * sum_g scales[n, g] * sum_{k in g} xq[m, k] * q[n, k] (W4A8): x float32 [M, K] quantized
+// per row (quantize_row), q in [-8, 7] stored + 8 as nibbles in uint8 [P, K / 8, 16, 4] panels (byte (u, j, b):
+// column 8 u + b in its low nibble, 8 u + 4 + b in its high one), scales float32 [P, K / group, 16]. Per group
+// the integer sums are exact; each is scaled once (group a multiple of 8).
+void w4a8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor scales, int64_t group) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && weight.scalar_type() == at::kByte,
+              "x, out: float32; weight: uint8");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous() && scales.is_contiguous(),
+              "inputs must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0, "group: a multiple of 8 that divides K");
+  const int64_t groups = K / group, P = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == M, "x [M, K], out [M, N]");
+  TORCH_CHECK(weight.dim() == 4 && weight.size(0) == P && weight.size(1) == K / 8 && weight.size(2) == kPanel &&
+                  weight.size(3) == 4, "weight: [ceil(N / 16), K / 8, 16, 4]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == P * groups * kPanel,
+              "scales: float32 [ceil(N / 16), K / group, 16]");
+  const float* xp = x.data_ptr<float>();
+  std::vector<int8_t> bytes(M * K);
+  std::vector<float> row_scales(M);
+  std::vector<int32_t> row_sums(M), group_sums(M * groups);  // sum_{k in g} xq[m, k]: the + 8 taken off
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      row_scales[m] = quantize_row(xp + m * K, K, K, bytes.data() + m * K, row_sums[m]);
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) group_sums[m * groups + g] += bytes[m * K + k];
+    }
+  });
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const int64_t units = K / 4, group_units = group / 4;
+#if defined(__AVX512VNNI__)
+  std::vector<int32_t> packed;
+  const uint8_t* x_units = reinterpret_cast<const uint8_t*>(bytes.data());
+  if (M > kDirectRows) {
+    packed = pack_x_tiles(x_units, M, units);
+    x_units = reinterpret_cast<const uint8_t*>(packed.data());
+  }
+#endif
+  run_panels(M, N, out.data_ptr<float>(), nullptr, nullptr, 1, [&](const Panel& panel, float* tiles, float*) {
+    const uint8_t* w = wp + panel.index * K * kPanel / 2;
+    std::vector<int32_t> sums(M * kPanel);
+    std::fill(tiles, tiles + M * kPanel, 0.f);
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* group_scales = sp + (panel.index * groups + g) * kPanel;
+      const int64_t u0 = g * group_units, u1 = u0 + group_units;
+#if defined(__AVX512VNNI__)
+      switch (M) {
+        case 1: dot_tile<U4S8Dot, 1, 4, false>(x_units, units, u0, u1, w, sums.data(), true, true); break;
+        case 2: dot_tile<U4S8Dot, 2, 2, false>(x_units, units, u0, u1, w, sums.data(), true, true); break;
+        case 3: dot_tile<U4S8Dot, 3, 2, false>(x_units, units, u0, u1, w, sums.data(), true, true); break;
+        case 4: dot_tile<U4S8Dot, 4, 1, false>(x_units, units, u0, u1, w, sums.data(), true, true); break;
+        default: {
+          int64_t m = 0;
+          for (; m + kDotTileRows <= M; m += kDotTileRows)
+            dot_tile<U4S8Dot, kDotTileRows, 1, true>(x_units + 4 * m * units, units, u0, u1, w,
+                                                     sums.data() + m * kPanel, true, m == 0);
+          pagedserve::with_rows<kDotTileRows - 1>(static_cast<int>(M - m), [&](auto rows) {
+            dot_tile<U4S8Dot, decltype(rows)::value, 1, true>(x_units + 4 * m * units, units, u0, u1, w,
+                                                              sums.data() + m * kPanel, true, m == 0);
+          });
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const __m512i exact = _mm512_sub_epi32(_mm512_loadu_si512(sums.data() + m * kPanel),
+                                               _mm512_set1_epi32(8 * group_sums[m * groups + g]));
+        const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_loadu_ps(group_scales),
+                                           _mm512_loadu_ps(tiles + m * kPanel));
+        _mm512_storeu_ps(tiles + m * kPanel, sum);
+      }
+#else
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < kPanel; ++j) {
+          int32_t exact = 0;
+          for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+            const uint8_t byte = w[(k / 8) * kUnitBytes + 4 * j + k % 4];
+            exact += bytes[m * K + k] * ((k % 8 < 4 ? byte & 0x0F : byte >> 4) - 8);
+          }
+          tiles[m * kPanel + j] += static_cast<float>(exact) * group_scales[j];
+        }
+#endif
+    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < kPanel; ++j) tiles[m * kPanel + j] *= row_scales[m];
+  });
+}
+
 // Which instructions this build's bfloat16 and W8A8 kernels use (the engine prefers oneDNN's bfloat16 where
 // the CPU lacks AVX512_BF16).
 pybind11::dict instruction_sets() {
@@ -713,6 +810,7 @@ pybind11::dict instruction_sets() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bfloat16_linear", &bfloat16_linear, "Linear over bfloat16 weight panels, bfloat16 x (CPU, float32 out)");
   m.def("w8a8_linear", &w8a8_linear, "int8 weights x per-row dynamic int8 activations (CPU, float32)");
+  m.def("w4a8_linear", &w4a8_linear, "grouped int4 weights x per-row dynamic int8 activations (CPU, float32)");
   m.def("instruction_sets", &instruction_sets, "The dot-product instructions this build uses");
   m.def("float32_linear", &float32_linear, "Linear over float32 weight panels (CPU)");
   m.def("int8_linear", &int8_linear, "Weight-only int8 linear, per-row scales (CPU, float32)");

@@ -97,3 +97,26 @@ def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bia
     """x [M, K] @ (scales[:, None] * q).T + bias with x quantized per row (quantize_activations) inside: float32
     scales [N], packed by pack_w8a8."""
     return panel_matmul("w8a8_linear", x, scales.numel(), bias, packed, scales)
+
+
+def pack_w4a8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] with values in [-8, 7] (K a multiple of 8), scales float32 [N, K / group] -> (uint8 [ceil(N / 16),
+    K / 8, 16, 4]: q + 8 as nibbles in panel_linear.cpp's W4A8 layout, float32 [ceil(N / 16), K / group, 16])."""
+    if q.shape[1] % 8:
+        raise ValueError(f"pack_w4a8: {q.shape[1]} input columns; W4A8 panels take them 8 at a time")
+    units = to_unit_panels((q + 8).to(torch.uint8), 4)  # [P, K / 4, 16, 4]
+    return (units[:, 0::2] | (units[:, 1::2] << 4)).contiguous(), to_panels(scales.float())
+
+
+def unpack_w4a8(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_w4a8's nibbles: int8 [N, K] in [-8, 7]."""
+    p, pairs, width, per_unit = packed.shape
+    units = torch.stack([packed & 0x0F, packed >> 4], dim=2).view(p, 2 * pairs, width, per_unit)
+    return (from_unit_panels(units, n, 8 * pairs).to(torch.int16) - 8).to(torch.int8)
+
+
+def w4a8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int, n: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W.T + bias with W[n, k] = q[n, k] * scales[n, k // group] and x quantized per row
+    (quantize_activations) inside; packed and scales from pack_w4a8."""
+    return panel_matmul("w4a8_linear", x, n, bias, packed, scales, group)

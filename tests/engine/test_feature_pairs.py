@@ -40,6 +40,9 @@ REFUSED = {
         lambda *_: EngineConfig(model=TINY, kv_transfer_config={"kv_role": "kv_both"}, speculative_config=DRAFT),
         "speculative_config: method='draft_model' cannot run with kv_transfer_config.kv_role='kv_both'"),
     "quantized_checkpoint_x_moe": (_gptq_moe, r"quantization: gptq has no method for MoE experts \(model.layers.0"),
+    "w4a8_x_moe": (lambda hf_checkpoint, _: LLM(str(hf_checkpoint("qwen3_moe")), dtype="float32", num_kv_blocks=64,
+                                                 max_model_len=256, quantization="w4a8"),
+                   r"quantization: 'w4a8' has no method for MoE experts \(model.layers.0.mlp.experts\)"),
 }
 
 

@@ -3,7 +3,7 @@ over the shapes they split differently: 1-4 rows of x (widened in registers) and
 in tiles of 12 rows with AVX-512 and 6 with AVX2), output rows not a multiple of the 16-row panel, inputs
 longer than the 256-column buffer and not a multiple of it, an odd number of inputs (columns are widened in
 pairs), int4 groups from 16 to 128. W8A8 against float64 on its own quantized numbers (its integer sums are exact), over
-inputs not a multiple of the 4-column unit."""
+inputs not a multiple of the 4-column unit; W4A8 likewise, per group of 8 to 128 inputs."""
 
 import pytest
 import torch
@@ -18,12 +18,15 @@ from ops.cpu.quant_linear import (
     pack_int4,
     pack_int4_params,
     pack_int8,
+    pack_w4a8,
     pack_w8a8,
     quantize_activations,
     unpack_int4,
     unpack_int4_params,
     unpack_int8,
+    unpack_w4a8,
     unpack_w8a8,
+    w4a8_linear,
     w8a8_linear,
 )
 
@@ -92,3 +95,19 @@ def test_w8a8_activation_error_is_within_half_a_step_per_element():
     x = torch.randn(9, 300) * torch.logspace(-3, 3, 9)[:, None]
     xq, scales = quantize_activations(x)
     assert ((xq.float() * scales[:, None] - x).abs() <= scales[:, None] / 2 * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("rows", [*ROWS, 17, 33])
+@pytest.mark.parametrize("n,k,group", [(7, 64, 32), (48, 256, 128), (40, 640, 32), (33, 1024, 128), (16, 8, 8)])
+def test_w4a8_linear_equals_float64_on_its_quantized_numbers(rows, n, k, group):
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, k // group, generator=gen) * 0.01 + 1e-3
+    packed, panel_scales = pack_w4a8(q, scales)
+    assert packed.shape == (-(-n // 16), k // 8, 16, 4) and torch.equal(unpack_w4a8(packed, n), q)
+    x, bias = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+    xq, x_scales = quantize_activations(x)
+    weight = q.double() * scales.double().repeat_interleave(group, 1)
+    exact = (xq.double() * x_scales.double()[:, None]) @ weight.T + bias.double()
+    torch.testing.assert_close(w4a8_linear(x, packed, panel_scales, group, n, bias).double(), exact, rtol=1e-5,
+                               atol=1e-5)

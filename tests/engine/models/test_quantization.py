@@ -18,7 +18,8 @@ from engine.models.layers.quantization import resolve_quant_config
 from engine.models.layers.quantization.awq import unpack_awq
 from engine.models.layers.quantization.online import int4_group_size, quantize_int8
 from engine.models.layers.quantization.weight_only import unpack_int32
-from ops.cpu.quant_linear import dequantize_int4, dequantize_int8, unpack_int4_params, unpack_w8a8
+from ops.cpu.linear import from_panels
+from ops.cpu.quant_linear import dequantize_int4, dequantize_int8, unpack_int4_params, unpack_w4a8, unpack_w8a8
 from tests.engine.models.quantized_checkpoints import (
     LINEAR,
     awq_pack,
@@ -43,7 +44,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, l
 def _check_parity(llm: LLM, oracle: str, what: str) -> None:
     """W8A8 engines against the oracle with its decoder projections' inputs rounded to int8 per token."""
     experts = {getattr(m, "expert_compute", None) for m in _modules(llm)}
-    rounded = (*LINEAR, "experts") if "w8a8" in _computes(llm) | experts else ()
+    rounded = (*LINEAR, "experts") if {"w8a8", "w4a8"} & (_computes(llm) | experts) else ()
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
         tokens, logprobs = hf_greedy(oracle, prompt, NEW_TOKENS, quantize_inputs_of=rounded)
@@ -130,9 +131,19 @@ def _int4_by_definition(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
     return scale, zero, ((q - zero[..., None]) * scale[..., None]).view_as(w)
 
 
+def _w4a8_by_definition(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W4A8's weights from their definition: per group of `group` inputs, scale = max|w| / 7, q = round(w / scale)
+    in [-7, 7]. Returns the scale [N, K / group] and the dequantized weight q * scale."""
+    groups = w.float().view(w.shape[0], -1, group)
+    scale = groups.abs().amax(-1) / 7
+    assert bool((scale > 0).all()), "a group of zeros: the definition leaves its scale open"
+    return scale, (torch.round(groups / scale[..., None]).clamp(-7, 7) * scale[..., None]).view_as(w)
+
+
 def _oracle_online(dense, out, scheme: str):
     """Our online scheme's weights by their definition (int8 and w8a8: quantize_int8, whose scale the tests check;
-    int4: _int4_by_definition) on whole tensors -> dense oracle (w8a8's activations: _check_parity's part)."""
+    int4: _int4_by_definition; w4a8: _w4a8_by_definition) on whole tensors -> dense oracle (the activations of
+    w8a8 and w4a8: _check_parity's part)."""
     from safetensors.torch import load_file
 
     from tests.engine.models.quantized_checkpoints import _is_linear, _write
@@ -142,13 +153,16 @@ def _oracle_online(dense, out, scheme: str):
         if _is_linear(name) or (".experts." in name and name.endswith(".weight")):  # routers stay dense
             if scheme in ("int8", "w8a8"):
                 w = quantize_int8(w).dequantize()
+            elif scheme == "w4a8":
+                w = _w4a8_by_definition(w, int4_group_size(w.shape[1]))[1]
             else:
                 w = _int4_by_definition(w, int4_group_size(w.shape[1]))[2]
         oracle[name] = w
     return _write(dense, out, oracle, None)
 
 
-@pytest.mark.parametrize("arch,scheme", [("llama", "int8"), ("qwen2", "int8"), ("qwen3", "int4"), ("qwen2", "w8a8")])
+@pytest.mark.parametrize("arch,scheme", [("llama", "int8"), ("qwen2", "int8"), ("qwen3", "int4"), ("qwen2", "w8a8"),
+                                         ("llama", "w4a8")])
 def test_online_quantization_matches_its_dequantized_weights(arch, scheme, hf_checkpoint, tmp_path):
     dense = hf_checkpoint(arch)
     oracle = str(_oracle_online(dense, tmp_path / "oracle", scheme))
@@ -183,13 +197,13 @@ def test_quantized_moe_checkpoints_are_refused_naming_the_layer(hf_checkpoint, t
 
 def test_online_quantization_error_within_the_scheme_bound(hf_checkpoint):
     """Every decoder projection of the built model, widened back from its kernel form, is within half a
-    quantization step of the checkpoint's weight (int8 and w8a8: per row; int4: per group), with the scale (and
-    int4's zero point) the scheme defines, computed here from the weight."""
+    quantization step of the checkpoint's weight (int8 and w8a8: per row; int4 and w4a8: per group), with the
+    scale (and int4's zero point) the scheme defines, computed here from the weight."""
     from safetensors.torch import load_file
 
     dense = hf_checkpoint("qwen3")
     weights = load_file(str(dense / "model.safetensors"))
-    for scheme in ("int8", "int4", "w8a8"):
+    for scheme in ("int8", "int4", "w8a8", "w4a8"):
         llm = LLM(str(dense), **ENGINE, quantization=scheme)
         layer = llm.llm_engine.core.executor.driver_worker.model.model.layers[0]
         for fused, names in (("self_attn.qkv_proj", ["q_proj", "k_proj", "v_proj"]), ("mlp.down_proj", ["down_proj"])):
@@ -201,6 +215,12 @@ def test_online_quantization_error_within_the_scheme_bound(hf_checkpoint):
                      unpack_w8a8(module.w8a8_weight, *w.shape).float() * module.weight_scales[:, None])
                 got, step = q, module.weight_scales[:, None]
                 assert torch.equal(step[:, 0], w.abs().amax(1) / 127)
+            elif scheme == "w4a8":
+                g = module.w4a8_group
+                q = unpack_w4a8(module.w4a8_weight, module.out_features).float()
+                got = q * from_panels(module.w4a8_scales, module.out_features).repeat_interleave(g, 1)
+                scale, _ = _w4a8_by_definition(w, g)
+                step = scale.repeat_interleave(g, 1)
             else:
                 g = module.group_size
                 assert g == int4_group_size(w.shape[1])
@@ -249,20 +269,25 @@ def test_tensor_parallel_equals_one_rank(case, quantized, hf_checkpoint):
             assert x[token].logprob == pytest.approx(y[token].logprob, abs=1e-4)
 
 
-def test_tensor_parallel_w8a8_quantizes_each_ranks_slice(hf_checkpoint, tmp_path):
+def test_tensor_parallel_int8_activations_quantize_each_ranks_slice(hf_checkpoint, tmp_path):
     """W8A8 at TP=2 quantizes the activations each rank holds: a row-parallel rank (o_proj, down_proj) its slice
     of each token, with its own scale, as vLLM does (no collective per layer for one shared scale). The oracle
-    rounds those inputs in two slices likewise; column-parallel layers see whole tokens."""
+    rounds those inputs in two slices likewise; column-parallel layers see whole tokens. W4A8 does the same
+    where its groups fit the ranks; on this model's 64 inputs (one group of 64) a rank's 32 would split a group,
+    which is refused naming the layer."""
     dense = hf_checkpoint("qwen2")
-    oracle = str(_oracle_online(dense, tmp_path / "oracle", "w8a8"))
-    llm = LLM(str(dense), **ENGINE, quantization="w8a8", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"'w4a8' groups model.layers.0.self_attn.o_proj's 64 inputs by 64"):
+        LLM(str(dense), **ENGINE, quantization="w4a8", tensor_parallel_size=2)
+    scheme = "w8a8"
+    oracle = str(_oracle_online(dense, tmp_path / "oracle", scheme))
+    llm = LLM(str(dense), **ENGINE, quantization=scheme, tensor_parallel_size=2)
     try:
         outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     finally:
         llm.shutdown()
     for prompt, out in zip(PROMPTS, outs):
         tokens, logprobs = hf_greedy(oracle, prompt, NEW_TOKENS, quantize_inputs_of=LINEAR, row_parallel_ranks=2)
-        tie = assert_tokens_match(out.outputs[0].token_ids, tokens, logprobs, TIE, "w8a8 TP=2")
+        tie = assert_tokens_match(out.outputs[0].token_ids, tokens, logprobs, TIE, f"{scheme} TP=2")
         for i, (token, lp) in enumerate(zip(out.outputs[0].token_ids[:tie], out.outputs[0].logprobs)):
             assert abs(lp[token].logprob - float(logprobs[i][token])) < LOGPROB_TOL, i
 

@@ -1,7 +1,7 @@
 """Quantization methods of linear layers: each linear layer holds one QuantMethod, which creates its
 weights, turns them into their compute form after loading, and applies them. `dense` is the method of
 an unquantized model; checkpoint formats (gptq, awq, compressed-tensors, fp8, mxfp4) and online quantization
-(int8, int4, w8a8) are resolved once per engine by `resolve_quant_config`."""
+(int8, int4, w8a8, w4a8) are resolved once per engine by `resolve_quant_config`."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ CHECKPOINT_FORMATS = {
     "fp8": "engine.models.layers.quantization.fp8:Fp8Config",
     "mxfp4": "engine.models.layers.quantization.mxfp4:Mxfp4Config",
 }
-ONLINE_SCHEMES = ("int8", "int4", "w8a8")
+ONLINE_SCHEMES = ("int8", "int4", "w8a8", "w4a8")
 ONLINE_CONFIG = "engine.models.layers.quantization.online_config:OnlineQuantConfig"
 
 
@@ -33,7 +33,7 @@ def _config_class(path: str) -> type[QuantizationConfig]:
 def resolve_quant_config(requested: str | None, checkpoint: dict[str, Any] | None) -> QuantizationConfig | None:
     """The quantization of an engine: `requested` is EngineConfig.quantization (None: whatever the
     checkpoint's `quantization_config` says; a checkpoint format's name: a check that the checkpoint is in
-    it; int8 / int4 / w8a8: quantize a dense checkpoint at load)."""
+    it; int8 / int4 / w8a8 / w4a8: quantize a dense checkpoint at load)."""
     method = None
     if checkpoint is not None:
         method = str(checkpoint.get("quant_method", "")).replace("_", "-")
@@ -49,7 +49,7 @@ def resolve_quant_config(requested: str | None, checkpoint: dict[str, Any] | Non
         found = f"is in {method!r}" if method else "is not quantized (no quantization_config)"
         raise ValueError(f"quantization: {requested!r} was asked for, but the checkpoint {found}; use "
                          f"quantization={method!r}"
-                         + ("" if method else " or an online scheme ('int8', 'int4', 'w8a8')"))
+                         + ("" if method else " or an online scheme ('int8', 'int4', 'w8a8', 'w4a8')"))
     return _config_class(CHECKPOINT_FORMATS[method]).from_config(checkpoint) if method else None
 
 
