@@ -37,7 +37,7 @@ from engine.models.loader import weight_bytes
 
 MOE, SAME_ACTIVE = "pagedserve-56m-moe", "pagedserve-56m"
 BATCHES = [1, 8, 32]
-QUANT_SCHEMES = ("int8", "int4")  # online quantization of the MoE model, rows beside float32
+QUANT_SCHEMES = ("int8", "int4", "w8a8")  # online quantization of the MoE model, rows beside float32
 ENGINE = dict(dtype="float32", max_model_len=1024, kv_cache_memory_gb=0.5, max_num_seqs=256)
 
 
@@ -75,6 +75,8 @@ def main() -> None:
             "dense, same total": LLM(str(same_total_dense(Path(tmp))), load_format="dummy", **ENGINE),
             # Online quantization of every projection, experts included (expert by expert through the kernels).
             **{f"pagedserve-56m-moe, {q}": LLM(MOE, quantization=q, **ENGINE) for q in QUANT_SCHEMES},
+            # bfloat16 weights and activations: the experts through vdpbf16ps where the CPU has AVX512_BF16.
+            "pagedserve-56m-moe, bfloat16": LLM(MOE, **{**ENGINE, "dtype": "bfloat16"}),
         }
         steps: dict[tuple[str, int], list[float]] = {}
         for r in range(args.rounds):
@@ -83,14 +85,15 @@ def main() -> None:
                     steps.setdefault((name, batch), []).append(decode_step(llm, batch, rounds=args.decode_steps)[0])
             print(f"round {r + 1}/{args.rounds} done", flush=True)
         # Quantized weights are buffers, not parameters: those rows count the float32 model's parameters.
-        sizes = {name: params_m(engines["pagedserve-56m-moe" if name.endswith(QUANT_SCHEMES) else name])
+        sizes = {name: params_m(engines["pagedserve-56m-moe" if name.endswith((*QUANT_SCHEMES, "bfloat16")) else name])
                  for name in engines}
         moe_llm = engines.pop("pagedserve-56m-moe")
         del engines
 
     median = {key: statistics.median(v) for key, v in steps.items()}
     names = list(sizes)
-    print(f"\nDecode step (ms, median of {args.rounds} turns of {args.decode_steps} steps), float32 activations\n")
+    print(f"\nDecode step (ms, median of {args.rounds} turns of {args.decode_steps} steps), float32 activations "
+          "(bfloat16 in its row)\n")
     print("| model | parameters (M) | " + " | ".join(f"batch {b}" for b in BATCHES) + " |")
     print("|---|---:|" + "---:|" * len(BATCHES))
     for name in names:

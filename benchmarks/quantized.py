@@ -1,6 +1,6 @@
 """Decode throughput of quantized weights: float32 (the prepacked dense path), bfloat16, int8 and int4
-(online, weight-only) and w8a8 (int8 weights and activations), side by side with llama.cpp's f32, q8_0 and
-q4_0 on the same weights.
+(online, weight-only), w8a8 (int8 weights and activations) and w4a8 (int4 weights, int8 activations), side
+by side with llama.cpp's f32, q8_0 and q4_0 on the same weights.
 
     python -m benchmarks.quantized [--models pagedserve-56m pagedserve-600m] [--batches 1 16 64]
                                    [--decode-tokens 64] [--threads 2] [--rounds 2] [--no-llamacpp]
@@ -38,7 +38,7 @@ from engine.models.loader import weight_bytes
 
 OURS = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
         "int8": dict(dtype="float32", quantization="int8"), "int4": dict(dtype="float32", quantization="int4"),
-        "w8a8": dict(dtype="float32", quantization="w8a8")}
+        "w8a8": dict(dtype="float32", quantization="w8a8"), "w4a8": dict(dtype="float32", quantization="w4a8")}
 LLAMACPP = {"f32": None, "q8_0": "Q8_0", "q4_0": "Q4_0"}
 
 
@@ -127,7 +127,9 @@ def compute_rates(threads: int, n: int = 2048, k: int = 1536, group: int = 128) 
         pack_int4,
         pack_int4_params,
         pack_int8,
+        pack_w4a8,
         pack_w8a8,
+        w4a8_linear,
         w8a8_linear,
     )
 
@@ -138,6 +140,7 @@ def compute_rates(threads: int, n: int = 2048, k: int = 1536, group: int = 128) 
     q8, s8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 100
     q4, s4 = pack_int4(torch.randint(0, 16, (n, k), generator=gen)), torch.rand(n, k // group, generator=gen) / 100
     p4, p8, w8 = pack_int4_params(s4, -8 * s4), pack_int8(q8), pack_w8a8(q8)
+    w4, w4_scales = pack_w4a8(torch.randint(-7, 8, (n, k), generator=gen), s4)
     bf16 = w.bfloat16()
     bf16_panels = to_unit_panels(bf16, 2)
     onednn = {rows: torch.ops.mkldnn._reorder_linear_weight(bf16, rows) for rows in RATE_ROWS}  # packed per batch
@@ -145,7 +148,8 @@ def compute_rates(threads: int, n: int = 2048, k: int = 1536, group: int = 128) 
              "bfloat16 oneDNN": lambda x: torch.ops.mkldnn._linear_pointwise(x, onednn[x.shape[0]], None, "none", [],
                                                                              ""),
              "int8": lambda x: int8_linear(x, p8, s8, None), "int4": lambda x: int4_linear(x, q4, p4, group, n, None),
-             "w8a8": lambda x: w8a8_linear(x, w8, s8, None)}
+             "w8a8": lambda x: w8a8_linear(x, w8, s8, None),
+             "w4a8": lambda x: w4a8_linear(x, w4, w4_scales, group, n, None)}
     if instruction_sets()["avx512_bf16"]:
         calls["bfloat16"] = lambda x: bfloat16_linear(x, bf16_panels, None)
     inputs = {rows: torch.randn(rows, k, generator=gen) for rows in RATE_ROWS}
@@ -182,7 +186,8 @@ def main() -> None:
         names = [n for n in OURS if n in args.systems] + [f"llama.cpp {n}" for n in LLAMACPP if peer]
         ratios = [("int8/f32", "int8", "float32"), ("int4/f32", "int4", "float32"), ("bf16/f32", "bfloat16", "float32"),
                   ("w8a8/bf16", "w8a8", "bfloat16"), ("int8/q8_0", "int8", "llama.cpp q8_0"),
-                  ("w8a8/q8_0", "w8a8", "llama.cpp q8_0"), ("int4/q4_0", "int4", "llama.cpp q4_0")]
+                  ("w8a8/q8_0", "w8a8", "llama.cpp q8_0"), ("int4/q4_0", "int4", "llama.cpp q4_0"),
+                  ("w4a8/q4_0", "w4a8", "llama.cpp q4_0")]
         print("| batch | " + " | ".join(names) + " | " + " | ".join(r[0] for r in ratios) + " |")
         print("|---:|" + "---:|" * (len(names) + len(ratios)))
         for batch in args.batches:
@@ -196,7 +201,7 @@ def main() -> None:
                 print(f"  {name:9s} {n / 2**20:9.1f} MiB   ceiling {nbytes['float32'] / n:.2f}x")
 
     rates = compute_rates(args.threads)
-    names = [name for name in ("float32", "bfloat16", "bfloat16 oneDNN", "int8", "int4", "w8a8")
+    names = [name for name in ("float32", "bfloat16", "bfloat16 oneDNN", "int8", "int4", "w8a8", "w4a8")
              if (name, RATE_ROWS[0]) in rates]
     print(f"\nmultiply-adds per second, one 2048 x 1536 layer (cache-resident), {args.threads} threads (GMAC/s):\n")
     print("| rows | " + " | ".join(names) + " | bfloat16/oneDNN | w8a8/bfloat16 |")

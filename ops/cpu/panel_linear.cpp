@@ -52,6 +52,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "vec16.h"
@@ -82,10 +83,35 @@ struct Panel {
   const float* zeros(int64_t g) const { return params + g * 2 * kPanel + kPanel; }
 };
 
-// Write tiles [rows of x][16]'s first `panel.rows` columns to out [M, N].
-inline void store_tiles(const float* tiles, int64_t M, const Panel& panel, float* out, int64_t N) {
+// Where a call's results go: out [M, N], float32 or bfloat16 (rounded once, to nearest even), plus the bias
+// (float32 [N]) when there is one. Writing the caller's dtype here spares it a pass over out to convert it.
+struct Output {
+  void* data;
+  int64_t N;
+  bool bf16;
+  const float* bias;
+};
+
+Output output_of(const at::Tensor& out, const std::optional<at::Tensor>& bias, int64_t M) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, "out: float32 or bfloat16");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M, "out: contiguous [M, N]");
+  const int64_t N = out.size(1);
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "bias: float32 [N]");
+  return {out.data_ptr(), N, out.scalar_type() == at::kBFloat16, bias ? bias->data_ptr<float>() : nullptr};
+}
+
+// Write tiles [rows of x][16]'s first `panel.rows` columns to out.
+inline void store_tiles(const float* tiles, int64_t M, const Panel& panel, const Output& out) {
+  const int64_t n0 = panel.index * kPanel;
   for (int64_t m = 0; m < M; ++m)
-    std::memcpy(out + m * N + panel.index * kPanel, tiles + m * kPanel, panel.rows * sizeof(float));
+    for (int64_t j = 0; j < panel.rows; ++j) {
+      const float v = tiles[m * kPanel + j] + (out.bias ? out.bias[n0 + j] : 0.f);
+      if (out.bf16)
+        static_cast<uint16_t*>(out.data)[m * out.N + n0 + j] = pagedserve::to_bfloat16(v);
+      else
+        static_cast<float*>(out.data)[m * out.N + n0 + j] = v;
+    }
 }
 
 #ifdef PAGEDSERVE_VEC16
@@ -423,12 +449,14 @@ void dot_tile(const uint8_t* x, int64_t units, int64_t u0, int64_t u1, const uin
 // rest) interleaved, unit by unit, at its first row's offset.
 std::vector<int32_t> pack_x_tiles(const uint8_t* x, int64_t M, int64_t units) {
   std::vector<int32_t> packed(M * units);
-  for (int64_t m0 = 0; m0 < M; m0 += kDotTileRows) {
-    const int64_t rows = std::min(kDotTileRows, M - m0);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t u = 0; u < units; ++u)
-        std::memcpy(&packed[m0 * units + u * rows + r], x + 4 * ((m0 + r) * units + u), 4);
-  }
+  at::parallel_for(0, (M + kDotTileRows - 1) / kDotTileRows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = begin * kDotTileRows; m0 < std::min(M, end * kDotTileRows); m0 += kDotTileRows) {
+      const int64_t rows = std::min(kDotTileRows, M - m0);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t u = 0; u < units; ++u)
+          std::memcpy(&packed[m0 * units + u * rows + r], x + 4 * ((m0 + r) * units + u), 4);
+    }
+  });
   return packed;
 }
 
@@ -471,8 +499,8 @@ void portable_panel(const float* x, int64_t M, int64_t K, WeightAt weight_at, fl
 
 // weight [ceil(N / 16), K / columns_per_entry, 16]: int4 packs two columns in each byte.
 void check_common(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out, int64_t columns_per_entry = 1) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "x, out: float32");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x: float32");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == x.size(0), "x [M, K], out [M, N]");
   TORCH_CHECK(weight.dim() == 3 && weight.size(0) == (out.size(1) + kPanel - 1) / kPanel &&
                   x.size(1) % columns_per_entry == 0 && weight.size(1) == x.size(1) / columns_per_entry &&
@@ -483,8 +511,9 @@ void check_common(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 // `compute(panel, tiles [M][16], buffer)` on every panel, in parallel; each panel's tiles are then stored. A
 // panel's params: `packed_params` [P, groups, 32] when given, else `row_scales` [N] gathered (or none).
 template <typename Compute>
-void run_panels(int64_t M, int64_t N, float* out, const float* row_scales, const float* packed_params,
+void run_panels(int64_t M, const Output& out, const float* row_scales, const float* packed_params,
                 int64_t groups, Compute compute) {
+  const int64_t N = out.N;
   pagedserve::shared_for((N + kPanel - 1) / kPanel, [&](int64_t begin, int64_t end) {
     std::vector<float> tiles(M * kPanel), gathered(2 * kPanel, 0.f);
     alignas(64) float buffer[kChunk * kPanel];
@@ -497,7 +526,7 @@ void run_panels(int64_t M, int64_t N, float* out, const float* row_scales, const
         panel.params = gathered.data();
       }
       compute(panel, tiles.data(), buffer);
-      store_tiles(tiles.data(), M, panel, out, N);
+      store_tiles(tiles.data(), M, panel, out);
     }
   });
 }
@@ -505,13 +534,14 @@ void run_panels(int64_t M, int64_t N, float* out, const float* row_scales, const
 }  // namespace
 
 // out[m, n] = sum_k x[m, k] * w[n, k]
-void float32_linear(at::Tensor out, at::Tensor x, at::Tensor weight) {
+void float32_linear(at::Tensor out, at::Tensor x, at::Tensor weight, std::optional<at::Tensor> bias) {
   check_common(x, weight, out);
+  const Output output = output_of(out, bias, x.size(0));
   TORCH_CHECK(weight.scalar_type() == at::kFloat, "weight: float32");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
-  run_panels(M, N, out.data_ptr<float>(), nullptr, nullptr, 1, [&](const Panel& panel, float* tiles, float*) {
+  run_panels(M, output, nullptr, nullptr, 1, [&](const Panel& panel, float* tiles, float*) {
     const float* w = wp + panel.index * K * kPanel;
 #ifdef PAGEDSERVE_VEC16
     float32_panel(xp, M, K, w, tiles);
@@ -522,15 +552,16 @@ void float32_linear(at::Tensor out, at::Tensor x, at::Tensor weight) {
 }
 
 // out[m, n] = scales[n] * sum_k x[m, k] * q[n, k]
-void int8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor scales) {
+void int8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor scales, std::optional<at::Tensor> bias) {
   check_common(x, weight, out);
+  const Output output = output_of(out, bias, x.size(0));
   TORCH_CHECK(weight.scalar_type() == at::kChar, "weight: int8");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == out.size(1),
               "scales: float32 [N]");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = weight.data_ptr<int8_t>();
-  run_panels(M, N, out.data_ptr<float>(), scales.data_ptr<float>(), nullptr, 1,
+  run_panels(M, output, scales.data_ptr<float>(), nullptr, 1,
              [&](const Panel& panel, float* tiles, float* buffer) {
     const int8_t* w = wp + panel.index * K * kPanel;
 #ifdef PAGEDSERVE_VEC16
@@ -551,8 +582,10 @@ void int8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor sca
 
 // out[m, n] = sum_k x[m, k] * (q[n, k] * scales[n, k / group] + zeros[n, k / group]), scales and zeros as
 // params [P, K / group, 32] (Panel's layout).
-void int4_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor params, int64_t group) {
+void int4_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor params, int64_t group,
+                 std::optional<at::Tensor> bias) {
   check_common(x, weight, out, 2);
+  const Output output = output_of(out, bias, x.size(0));
   TORCH_CHECK(weight.scalar_type() == at::kByte, "weight: uint8");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   TORCH_CHECK(group > 0 && group % 2 == 0 && K % group == 0, "group must be even and divide K");
@@ -569,7 +602,7 @@ void int4_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor par
       for (int64_t g = 0; g < groups; ++g)
         for (int64_t k = g * group; k < (g + 1) * group; ++k) xsum[m * groups + g] += xp[m * K + k];
   }
-  run_panels(M, N, out.data_ptr<float>(), nullptr, params.data_ptr<float>(), groups,
+  run_panels(M, output, nullptr, params.data_ptr<float>(), groups,
              [&](const Panel& panel, float* tiles, float* buffer) {
     const uint8_t* w = wp + panel.index * K * kPanel / 2;
 #ifdef PAGEDSERVE_VEC16
@@ -598,10 +631,10 @@ inline float bf16_to_float(uint16_t v) {
 }
 
 // out[m, n] = sum_k x[m, k] * w[n, k], x bfloat16 [M, K] (K even), w bfloat16 in [P, K / 2, 16, 2] panels.
-void bfloat16_linear(at::Tensor out, at::Tensor x, at::Tensor weight) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kFloat, "x, weight: bfloat16; out: float32");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(), "inputs must be contiguous");
+void bfloat16_linear(at::Tensor out, at::Tensor x, at::Tensor weight, std::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "x, weight: bfloat16");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "inputs must be contiguous");
+  const Output output = output_of(out, bias, x.size(0));
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == M && K % 2 == 0, "x [M, K] (K even), out [M, N]");
   TORCH_CHECK(weight.dim() == 4 && weight.size(0) == (N + kPanel - 1) / kPanel && weight.size(1) == K / 2 &&
@@ -620,7 +653,7 @@ void bfloat16_linear(at::Tensor out, at::Tensor x, at::Tensor weight) {
   for (int64_t i = 0; i < M * K; ++i) widened[i] = bf16_to_float(xp[i]);
   const float* xf = widened.data();
 #endif
-  run_panels(M, N, out.data_ptr<float>(), nullptr, nullptr, 1, [&](const Panel& panel, float* tiles, float* buffer) {
+  run_panels(M, output, nullptr, nullptr, 1, [&](const Panel& panel, float* tiles, float* buffer) {
     const uint16_t* w = wp + panel.index * K * kPanel;
 #if defined(__AVX512BF16__)
     dot_panel<Bf16Dot>(x_units, M, K / 2, reinterpret_cast<const uint8_t*>(w), tiles);
@@ -652,10 +685,10 @@ float quantize_row(const float* x, int64_t K, int64_t K4, int8_t* bytes, int32_t
 // weight q + 128 as uint8 in [P, K4 / 4, 16, 4] panels, scales float32 [N]. vpdpbusd multiplies unsigned bytes
 // (the weights) by signed ones (x, broadcast from memory, which must be the signed operand): the sum it makes
 // is sum_k (q + 128) xq, and 128 sum_k xq is taken off.
-void w8a8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor scales) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && weight.scalar_type() == at::kByte,
-              "x, out: float32; weight: uint8");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(), "inputs must be contiguous");
+void w8a8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor scales, std::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kByte, "x: float32; weight: uint8");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "inputs must be contiguous");
+  const Output output = output_of(out, bias, x.size(0));
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), K4 = (K + 3) / 4 * 4;
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == M, "x [M, K], out [M, N]");
   TORCH_CHECK(weight.dim() == 4 && weight.size(0) == (N + kPanel - 1) / kPanel && weight.size(1) == K4 / 4 &&
@@ -680,7 +713,7 @@ void w8a8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor sca
 #endif
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
-  run_panels(M, N, out.data_ptr<float>(), nullptr, nullptr, 1, [&](const Panel& panel, float* tiles, float*) {
+  run_panels(M, output, nullptr, nullptr, 1, [&](const Panel& panel, float* tiles, float*) {
     const uint8_t* w = wp + panel.index * K4 * kPanel;
     int32_t* sums_of_products = reinterpret_cast<int32_t*>(tiles);  // the tiles' own memory, 4 bytes a lane
 #if defined(__AVX512VNNI__)
@@ -707,11 +740,11 @@ void w8a8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor sca
 // per row (quantize_row), q in [-8, 7] stored + 8 as nibbles in uint8 [P, K / 8, 16, 4] panels (byte (u, j, b):
 // column 8 u + b in its low nibble, 8 u + 4 + b in its high one), scales float32 [P, K / group, 16]. Per group
 // the integer sums are exact; each is scaled once (group a multiple of 8).
-void w4a8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor scales, int64_t group) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && weight.scalar_type() == at::kByte,
-              "x, out: float32; weight: uint8");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous() && scales.is_contiguous(),
-              "inputs must be contiguous");
+void w4a8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor scales, int64_t group,
+                 std::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kByte, "x: float32; weight: uint8");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && scales.is_contiguous(), "inputs must be contiguous");
+  const Output output = output_of(out, bias, x.size(0));
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0, "group: a multiple of 8 that divides K");
   const int64_t groups = K / group, P = (N + kPanel - 1) / kPanel;
@@ -742,7 +775,7 @@ void w4a8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor sca
     x_units = reinterpret_cast<const uint8_t*>(packed.data());
   }
 #endif
-  run_panels(M, N, out.data_ptr<float>(), nullptr, nullptr, 1, [&](const Panel& panel, float* tiles, float*) {
+  run_panels(M, output, nullptr, nullptr, 1, [&](const Panel& panel, float* tiles, float*) {
     const uint8_t* w = wp + panel.index * K * kPanel / 2;
     std::vector<int32_t> sums(M * kPanel);
     std::fill(tiles, tiles + M * kPanel, 0.f);

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <utility>
 
@@ -21,6 +22,13 @@ inline void with_rows(int rows, const F& f, std::integer_sequence<int, R...>) {
 template <int N, typename F>
 inline void with_rows(int rows, const F& f) {
   with_rows(rows, f, std::make_integer_sequence<int, N>{});
+}
+
+// float32 -> bfloat16 bits, rounded to nearest even (finite values, as torch rounds them).
+inline uint16_t to_bfloat16(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
 }  // namespace pagedserve

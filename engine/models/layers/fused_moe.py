@@ -129,12 +129,19 @@ class DenseFusedMoEMethod(FusedMoEMethod):
 
     def process_weights_after_loading(self, layer, batch_size_hint) -> None:
         w13, w2 = layer.w13_weight, layer.w2_weight
-        kernel = load_moe_kernels() if w13.device.type == "cpu" and w13.dtype == torch.float32 else None
+        cpu = w13.device.type == "cpu" and w13.dtype in (torch.float32, torch.bfloat16)
+        kernel = load_moe_kernels() if cpu else None
         # Panels of 16 rows must not straddle gate and up: the intermediate and hidden sizes divide by 16.
-        if kernel is not None and w2.shape[1] % 16 == 0 and w2.shape[2] % 16 == 0:
+        fits = kernel is not None and w2.shape[1] % 16 == 0 and w2.shape[2] % 16 == 0
+        if fits and w13.dtype == torch.float32:
             layer.expert_compute = "cpu_kernel"
             for param in (w13, w2):  # [E, out, in] -> [E, out / 16, in, 16]
                 param.data = kernel.moe_pack_panels(param.data)
+        elif fits and kernel.bfloat16_experts():
+            layer.expert_compute = "cpu_kernel_bf16"
+            for param in (w13, w2):  # [E, out, in] -> [E, out / 16, in / 2, 16, 2]
+                e, n, k = param.shape
+                param.data = param.data.view(e, n // 16, 16, k // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
         elif grouped_mm_available(w13.dtype, w13.device.type):
             layer.expert_compute = "grouped_mm"
             # Same [E, out, in] tensors, each expert stored column-major: grouped_mm multiplies by their
@@ -145,11 +152,13 @@ class DenseFusedMoEMethod(FusedMoEMethod):
             layer.expert_compute = "loop"
 
     def apply_routed(self, layer, x, weights, ids) -> torch.Tensor | None:
-        if layer.expert_compute != "cpu_kernel":
+        if layer.expert_compute not in ("cpu_kernel", "cpu_kernel_bf16"):
             return None
         out = torch.empty(x.shape[0], layer.hidden_size)
-        load_moe_kernels().moe_experts(out, x.contiguous(), ids.contiguous(), weights.float().contiguous(),
-                                       layer.w13_weight, layer.w2_weight, layer.expert_start)
+        kernels = load_moe_kernels()
+        run = kernels.moe_experts if layer.expert_compute == "cpu_kernel" else kernels.moe_experts_bf16
+        run(out, x.contiguous(), ids.contiguous(), weights.float().contiguous(), layer.w13_weight, layer.w2_weight,
+            layer.expert_start)
         return out
 
     def apply(self, layer, x, offsets) -> torch.Tensor:

@@ -18,7 +18,7 @@ from engine import LLM, EngineConfig, SamplingParams, StructuredOutputsParams
 from engine.model_spec import check_expert_layout
 from engine.models.config import ModelConfig
 from engine.models.layers.fused_moe import FusedMoE, grouped_mm_available, route
-from ops.cpu import missing_toolchain
+from ops.cpu import load_moe_kernels, missing_toolchain
 from tests.conftest import MOE_ARCHS, engines_by_arch
 from tests.engine.executor.test_parallel import POOL as PARALLEL_POOL
 from tests.engine.executor.test_parallel import _use_variant
@@ -111,10 +111,13 @@ _FUSED_MOE_TOLERANCE = {torch.float32: dict(atol=1e-6, rtol=1e-5), torch.bfloat1
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 13, 40])
 def test_fused_moe_matches_a_per_token_reference(compute, dtype, tokens):
-    if compute == "cpu_kernel" and dtype != torch.float32:
-        pytest.skip("the CPU kernel runs float32 only")
+    """`cpu_kernel`: the loader's own choice, the CPU kernel of the dtype (bfloat16's: vdpbf16ps)."""
     if compute == "cpu_kernel" and missing_toolchain():  # with a toolchain, a kernel that fails to build fails here
         pytest.skip(f"CPU kernels not compiled: {missing_toolchain()}")
+    if compute == "cpu_kernel" and dtype == torch.bfloat16:
+        if not load_moe_kernels().bfloat16_experts():
+            pytest.skip("bfloat16 experts need AVX512_BF16")
+        compute = "cpu_kernel_bf16"
     torch.manual_seed(0)
     num_experts, top_k, hidden, inter = 6, 2, 32, 48
     layer = FusedMoE(num_experts, top_k, hidden, inter, prefix="experts").to(dtype)
@@ -123,7 +126,7 @@ def test_fused_moe_matches_a_per_token_reference(compute, dtype, tokens):
         layer.w13_weight.copy_(w13)
         layer.w2_weight.copy_(w2)
     layer.quant_method.process_weights_after_loading(layer, tokens)
-    if compute != "cpu_kernel":  # the loader's choice is the kernel where it runs; force the others
+    if not compute.startswith("cpu_kernel"):  # the loader's choice is the kernel where it runs; force the others
         layer.expert_compute = compute
         layer.w13_weight.data, layer.w2_weight.data = w13.to(dtype), w2.to(dtype)
         if compute == "grouped_mm" and not grouped_mm_available(dtype, "cpu"):
