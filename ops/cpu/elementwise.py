@@ -21,7 +21,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty_like(x)
     summed = torch.empty_like(x) if residual is not None else None
     res = residual.contiguous() if residual is not None else None
-    load_elementwise_kernels().rms_norm(out, summed, x, res, weight.to(x.dtype).contiguous(), eps)
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    load_elementwise_kernels().rms_norm(out, summed, x, res, weight.contiguous(), eps)
     return out if residual is None else (out, summed)
 
 

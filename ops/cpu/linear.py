@@ -56,7 +56,11 @@ def panel_matmul(kernel: str, x: torch.Tensor, n: int, bias: torch.Tensor | None
     n output features: x in `x_dtype` inside, float32 sums (plus bias) rounded once to x's dtype, which the
     kernel writes itself (float32 or bfloat16). A decode step calls this for every layer: it does no more
     in Python than it must (about 5 us a call; the kernel of a small layer takes 3)."""
-    x2 = x.reshape(-1, x.shape[-1]).to(x_dtype).contiguous()
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype != x_dtype:  # each no-op .to() / .contiguous() would still cost a microsecond or two
+        x2 = x2.to(x_dtype)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
     rows = x2.shape[0]
     direct = x.dtype in (torch.float32, torch.bfloat16)
     out = torch.empty(rows, n, dtype=x.dtype if direct else torch.float32)
