@@ -12,6 +12,9 @@ runs --rounds times, interleaved with the others, and its best round counts. lla
 `llama-batched-bench -npp P -ntg T -npl B` on GGUF files converted from the same checkpoint, quantized with
 `llama-quantize --leave-output-tensor` so that its LM head stays f32 as ours does (S_TG: its decode rate).
 llama.cpp is built by benchmarks/peers/llamacpp.py (the serving-quality branch's helper).
+`--vllm`: vLLM's CPU backend too (benchmarks/peers/vllm_cpu.py), float32 and bfloat16 on the same checkpoint.
+vLLM cannot be stepped by hand: per batch size it runs the B requests with one output token (prefill) and
+with T + 1, in one process, and its decode rate is B * T / the difference of the two times.
 
 Beside the rates it prints the bytes of weights a decode step reads (all weights but the embedding) and
 the speed-up those bytes allow over float32: with an unquantized LM head that ceiling is low on a small
@@ -84,6 +87,32 @@ def bench_ours(model: str, args) -> tuple[dict, dict]:
                 rate = decode_rate(llm, batch, args.prompt_len, args.decode_tokens)
                 rates[name, batch] = max(rates.get((name, batch), 0.0), rate)
     return rates, {name: read_bytes(llm) for name, llm in engines.items()}
+
+
+VLLM = ("float32", "bfloat16")
+
+
+def bench_vllm(model: str, args) -> dict:
+    """(dtype, batch) -> vLLM CPU's decode tokens/s (best of --rounds; see the module docstring)."""
+    from benchmarks.peers import vllm_cpu
+
+    path = materialize_builtin(model)
+    runs = [[(prompt, tokens) for prompt in prompts(batch, args.prompt_len)]
+            for batch in args.batches for tokens in (1, args.decode_tokens + 1)] * args.rounds
+    rates: dict[tuple[str, int], float] = {}
+    for dtype in VLLM:
+        results = vllm_cpu.offline_runs(path, runs, dtype=dtype, max_num_seqs=max(args.batches),
+                                        max_model_len=args.prompt_len + args.decode_tokens + 16)
+        if results[0].error:
+            print(f"vLLM CPU, {model} {dtype}: {results[0].error}")
+            continue
+        for i in range(0, len(results), 2):
+            batch = args.batches[(i // 2) % len(args.batches)]
+            decode_s = results[i + 1].seconds - results[i].seconds
+            if decode_s > 0:
+                rates["vLLM " + dtype, batch] = max(rates.get(("vLLM " + dtype, batch), 0.0),
+                                                    batch * args.decode_tokens / decode_s)
+    return rates
 
 
 def bench_llamacpp(model: str, args) -> dict:
@@ -176,22 +205,29 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-llamacpp", action="store_true")
+    parser.add_argument("--vllm", action="store_true", help="vLLM CPU's float32 and bfloat16 beside ours")
+    parser.add_argument("--no-rates", action="store_true", help="skip the one-layer GMAC/s table")
     args = parser.parse_args()
 
     for model in args.models:
         ours, nbytes = bench_ours(model, args)
         peer = {} if args.no_llamacpp else bench_llamacpp(model, args)
+        vllm = bench_vllm(model, args) if args.vllm else {}
         print(f"\n## {model}: decode tokens/s ({args.prompt_len}-token prompts, {args.decode_tokens} decoded, "
               f"{args.threads} threads, best of {args.rounds})\n")
-        names = [n for n in OURS if n in args.systems] + [f"llama.cpp {n}" for n in LLAMACPP if peer]
+        names = ([n for n in OURS if n in args.systems] + [f"llama.cpp {n}" for n in LLAMACPP if peer]
+                 + [f"vLLM {d}" for d in VLLM if any(key[0] == f"vLLM {d}" for key in vllm)])
         ratios = [("int8/f32", "int8", "float32"), ("int4/f32", "int4", "float32"), ("bf16/f32", "bfloat16", "float32"),
                   ("w8a8/bf16", "w8a8", "bfloat16"), ("int8/q8_0", "int8", "llama.cpp q8_0"),
                   ("w8a8/q8_0", "w8a8", "llama.cpp q8_0"), ("int4/q4_0", "int4", "llama.cpp q4_0"),
-                  ("w4a8/q4_0", "w4a8", "llama.cpp q4_0")]
+                  ("w4a8/q4_0", "w4a8", "llama.cpp q4_0"), ("f32/vLLM f32", "float32", "vLLM float32"),
+                  ("bf16/vLLM bf16", "bfloat16", "vLLM bfloat16")]
+        ratios = [r for r in ratios if r[1] in names and r[2] in names]
         print("| batch | " + " | ".join(names) + " | " + " | ".join(r[0] for r in ratios) + " |")
         print("|---:|" + "---:|" * (len(names) + len(ratios)))
         for batch in args.batches:
-            row = {n: ours.get((n, batch)) for n in OURS} | {f"llama.cpp {n}": peer.get((n, batch)) for n in LLAMACPP}
+            row = ({n: ours.get((n, batch)) for n in OURS} | {f"llama.cpp {n}": peer.get((n, batch)) for n in LLAMACPP}
+                   | {name: rate for (name, b), rate in vllm.items() if b == batch})
             cells = [f"{row[n]:.1f}" if row.get(n) else "-" for n in names]
             cells += [f"{row[a] / row[b]:.2f}x" if row.get(a) and row.get(b) else "-" for _, a, b in ratios]
             print(f"| {batch} | " + " | ".join(cells) + " |")
@@ -200,6 +236,8 @@ def main() -> None:
             for name, n in nbytes.items():
                 print(f"  {name:9s} {n / 2**20:9.1f} MiB   ceiling {nbytes['float32'] / n:.2f}x")
 
+    if args.no_rates:
+        return
     rates = compute_rates(args.threads)
     names = [name for name in ("float32", "bfloat16", "bfloat16 oneDNN", "int8", "int4", "w8a8", "w4a8")
              if (name, RATE_ROWS[0]) in rates]

