@@ -12,7 +12,9 @@ runs --rounds times, interleaved with the others, and its best round counts. lla
 `llama-batched-bench -npp P -ntg T -npl B` on GGUF files converted from the same checkpoint, quantized with
 `llama-quantize --leave-output-tensor` so that its LM head stays f32 as ours does (S_TG: its decode rate).
 llama.cpp is built by benchmarks/peers/llamacpp.py (the serving-quality branch's helper).
-`--vllm`: vLLM's CPU backend too (benchmarks/peers/vllm_cpu.py), float32 and bfloat16 on the same checkpoint.
+`--vllm`: vLLM's CPU backend too (benchmarks/peers/vllm_cpu.py), float32 and bfloat16 on the same checkpoint,
+and W8A8 on a compressed-tensors checkpoint of it written by the compressed-tensors package (weights per
+channel, activations per token: RedHatAI's format), which both engines load in bfloat16 ("ct w8a8").
 vLLM cannot be stepped by hand: per batch size it runs the B requests with one output token (prefill) and
 with T + 1, in one process, and its decode rate is B * T / the difference of the two times.
 
@@ -32,6 +34,7 @@ import random
 import re
 import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -75,9 +78,13 @@ def read_bytes(llm: LLM) -> int:
 def bench_ours(model: str, args) -> tuple[dict, dict]:
     blocks_per_request = -(-(args.prompt_len + args.decode_tokens + 2) // 16)
     blocks = max(args.batches) * blocks_per_request + 8
-    engines = {name: LLM(model, num_kv_blocks=blocks, max_num_seqs=max(args.batches),
+    checkpoints = {name: model for name in OURS if name in args.systems}
+    systems = {name: kwargs for name, kwargs in OURS.items() if name in args.systems}
+    if args.vllm:  # the W8A8 checkpoint vLLM runs, as we load it
+        checkpoints["ct w8a8"], systems["ct w8a8"] = str(w8a8_checkpoint(model)), dict(dtype="bfloat16")
+    engines = {name: LLM(checkpoints[name], num_kv_blocks=blocks, max_num_seqs=max(args.batches),
                          max_model_len=16 * blocks_per_request, num_threads=args.threads, **kwargs)
-               for name, kwargs in OURS.items() if name in args.systems}
+               for name, kwargs in systems.items()}
     for llm in engines.values():  # warm-up: kernels built, first allocations made
         decode_rate(llm, 1, args.prompt_len, 2)
     rates: dict[tuple[str, int], float] = {}
@@ -89,29 +96,40 @@ def bench_ours(model: str, args) -> tuple[dict, dict]:
     return rates, {name: read_bytes(llm) for name, llm in engines.items()}
 
 
-VLLM = ("float32", "bfloat16")
+VLLM = ("float32", "bfloat16", "ct w8a8")
+
+
+def w8a8_checkpoint(model: str) -> Path:
+    """The built-in `model` as compressed-tensors W8A8, written once into the built-ins' cache."""
+    from benchmarks.checkpoints import write_compressed_tensors
+
+    dense = materialize_builtin(model)
+    out = dense.with_name(dense.name + "-w8a8-compressed-tensors")
+    if not (out / "config.json").is_file():
+        write_compressed_tensors(dense, out, 8, "channel", True, activations=True)
+    return out
 
 
 def bench_vllm(model: str, args) -> dict:
-    """(dtype, batch) -> vLLM CPU's decode tokens/s (best of --rounds; see the module docstring)."""
+    """(name, batch) -> vLLM CPU's decode tokens/s (best of --rounds; see the module docstring)."""
     from benchmarks.peers import vllm_cpu
 
-    path = materialize_builtin(model)
     runs = [[(prompt, tokens) for prompt in prompts(batch, args.prompt_len)]
             for batch in args.batches for tokens in (1, args.decode_tokens + 1)] * args.rounds
     rates: dict[tuple[str, int], float] = {}
-    for dtype in VLLM:
+    for name in VLLM:
+        path, dtype = (w8a8_checkpoint(model), "bfloat16") if name == "ct w8a8" else (materialize_builtin(model), name)
         results = vllm_cpu.offline_runs(path, runs, dtype=dtype, max_num_seqs=max(args.batches),
                                         max_model_len=args.prompt_len + args.decode_tokens + 16)
         if results[0].error:
-            print(f"vLLM CPU, {model} {dtype}: {results[0].error}")
+            print(f"vLLM CPU, {model} {name}: {results[0].error}")
             continue
         for i in range(0, len(results), 2):
             batch = args.batches[(i // 2) % len(args.batches)]
             decode_s = results[i + 1].seconds - results[i].seconds
             if decode_s > 0:
-                rates["vLLM " + dtype, batch] = max(rates.get(("vLLM " + dtype, batch), 0.0),
-                                                    batch * args.decode_tokens / decode_s)
+                rates["vLLM " + name, batch] = max(rates.get(("vLLM " + name, batch), 0.0),
+                                                   batch * args.decode_tokens / decode_s)
     return rates
 
 
@@ -215,18 +233,20 @@ def main() -> None:
         vllm = bench_vllm(model, args) if args.vllm else {}
         print(f"\n## {model}: decode tokens/s ({args.prompt_len}-token prompts, {args.decode_tokens} decoded, "
               f"{args.threads} threads, best of {args.rounds})\n")
-        names = ([n for n in OURS if n in args.systems] + [f"llama.cpp {n}" for n in LLAMACPP if peer]
+        names = ([n for n in [*OURS, "ct w8a8"] if (n, args.batches[0]) in ours]
+                 + [f"llama.cpp {n}" for n in LLAMACPP if peer]
                  + [f"vLLM {d}" for d in VLLM if any(key[0] == f"vLLM {d}" for key in vllm)])
         ratios = [("int8/f32", "int8", "float32"), ("int4/f32", "int4", "float32"), ("bf16/f32", "bfloat16", "float32"),
                   ("w8a8/bf16", "w8a8", "bfloat16"), ("int8/q8_0", "int8", "llama.cpp q8_0"),
                   ("w8a8/q8_0", "w8a8", "llama.cpp q8_0"), ("int4/q4_0", "int4", "llama.cpp q4_0"),
                   ("w4a8/q4_0", "w4a8", "llama.cpp q4_0"), ("f32/vLLM f32", "float32", "vLLM float32"),
-                  ("bf16/vLLM bf16", "bfloat16", "vLLM bfloat16")]
+                  ("bf16/vLLM bf16", "bfloat16", "vLLM bfloat16"), ("w8a8/vLLM w8a8", "ct w8a8", "vLLM ct w8a8")]
         ratios = [r for r in ratios if r[1] in names and r[2] in names]
         print("| batch | " + " | ".join(names) + " | " + " | ".join(r[0] for r in ratios) + " |")
         print("|---:|" + "---:|" * (len(names) + len(ratios)))
         for batch in args.batches:
-            row = ({n: ours.get((n, batch)) for n in OURS} | {f"llama.cpp {n}": peer.get((n, batch)) for n in LLAMACPP}
+            row = ({n: rate for (n, b), rate in ours.items() if b == batch}
+                   | {f"llama.cpp {n}": peer.get((n, batch)) for n in LLAMACPP}
                    | {name: rate for (name, b), rate in vllm.items() if b == batch})
             cells = [f"{row[n]:.1f}" if row.get(n) else "-" for n in names]
             cells += [f"{row[a] / row[b]:.2f}x" if row.get(a) and row.get(b) else "-" for _, a, b in ratios]

@@ -181,39 +181,9 @@ def write_compressed_tensors(dense: Path, out: Path, bits: int, strategy: str, s
     min-max scales (the package's calculate_qparams), compressed, saved; the oracle decompressed by it.
     `activations`: W8A8, int8 activations per token, dynamic (the package then writes the int-quantized
     format; the oracle holds the weights, and rounding the activations is the parity test's part)."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationConfig,
-        QuantizationScheme,
-        apply_quantization_config,
-    )
-    from compressed_tensors.quantization.utils import calculate_qparams
-    from transformers import AutoModelForCausalLM
+    from benchmarks.checkpoints import write_compressed_tensors as write
 
-    model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
-    args = QuantizationArgs(num_bits=bits, type="int", strategy=strategy, group_size=group_size, symmetric=symmetric)
-    acts = (QuantizationArgs(num_bits=8, type="int", strategy="token", symmetric=True, dynamic=True)
-            if activations else None)
-    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)
-    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
-    apply_quantization_config(model, config, show_progress=False)
-    with torch.no_grad():
-        for module in model.modules():
-            if hasattr(module, "weight_scale"):
-                w = module.weight
-                rows = {"group": (w.shape[0], -1, group_size), "channel": (w.shape[0], 1, -1), "tensor": (1, 1, -1)}
-                view = w.view(*rows[strategy])
-                scale, zero = calculate_qparams(view.amin(-1), view.amax(-1), module.quantization_scheme.weights)
-                module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
-                module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.compress_model(model)
-    model.save_pretrained(out)
-    compressor.update_config(out)
-    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "chat_template.jinja"):
-        if (dense / f).exists():
-            shutil.copy(dense / f, out / f)
+    model, compressor = write(dense, out, bits, strategy, symmetric, group_size, activations)
     compressor.decompress_model(model)
     oracle = load_file(str(dense / "model.safetensors"))
     for name in oracle:
