@@ -177,7 +177,7 @@ class EngineConfig(BaseModel):
         "the checkpoint. `int8` / `int4`: quantize a dense checkpoint's decoder projections at load, weight-only "
         "(int8 per output row, int4 in groups of 128 input columns). `w8a8`: int8 weights and int8 activations "
         "quantized per token as they arrive (integer dot products: VNNI where the CPU has it); `w4a8` (opt-in): int4 "
-        "weights, symmetric in groups of 128, with int8 activations. On CPU int8 and "
+        "weights, symmetric in int4's groups, with int8 activations. On CPU int8 and "
         "4-bit weights run through weight-only kernels; FP8 and grouped 8-bit weights are dequantized at load.",
     )
     speculative_config: SpeculativeConfig | None = Field(
