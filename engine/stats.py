@@ -18,6 +18,9 @@ class EngineStats:
     kv_bytes_per_token: int = 0
     queued_prefill_tokens: int = 0  # prompt tokens of waiting and running requests not yet computed
     num_kv_held: int = 0  # finished requests whose blocks a KV producer holds for a consumer
+    # Ranks that read each step's input over TCP rather than from the driver's shared memory: those on
+    # other nodes than the driver (a multi-rank engine spread over hosts).
+    step_queue_tcp_readers: int = 0
     # Counters since start.
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # tokens

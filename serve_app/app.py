@@ -40,7 +40,7 @@ def build_app(args: AppArgs) -> Application:
             return engine._with_ingress_request_router(IngressRouter.bind(engine, args.model_dump(exclude_unset=True)))
         return engine
     # The ingress holds the clients' streams: it drains as long as the engine replicas do.
-    return OpenAIIngress.options(num_replicas=args.ingress_replicas,
+    return OpenAIIngress.options(num_replicas=args.ingress_replicas, ray_actor_options=args.ingress_ray_actor_options,
                                  graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s).bind(
         engine, args.model_dump(exclude_unset=True))
 
@@ -56,7 +56,7 @@ def _engine_deployment(args: AppArgs, name: str, role: str | None, router: str, 
                                             request_routing_stats_period_s=1, request_routing_stats_timeout_s=5)
     autoscaling = args.engine_autoscaling_config(role)
     num_replicas = args.num_replicas if role is None else getattr(args.disaggregation, role).num_replicas
-    placement = {"ray_actor_options": args.ray_actor_options, **args.placement(engine_config)}
+    placement = args.placement(engine_config, role)
     if "placement_group_bundles" in placement and args.placement_group_config.check_fits and ray.is_initialized():
         check_placement(placement["placement_group_bundles"], placement["placement_group_strategy"])
     worker_bundle = placement["placement_group_bundles"][-1] if "placement_group_bundles" in placement else None

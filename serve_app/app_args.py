@@ -60,6 +60,9 @@ class PoolConfig(BaseModel):
         "and waiting requests). min_replicas must stay >= 1.")
     engine: dict[str, Any] = Field(default_factory=dict,
                                    description="EngineConfig fields overriding the top-level `engine`.")
+    ray_actor_options: dict[str, Any] | None = Field(
+        None, description="Ray actor options of this pool's replicas in place of the top-level ray_actor_options: "
+        "e.g. `resources: {prefill_node: 1}` to keep the pool on the nodes that offer that custom resource.")
 
     @model_validator(mode="after")
     def _never_empty(self) -> PoolConfig:
@@ -99,6 +102,9 @@ class AppArgs(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig fields (all but model).")
     num_replicas: int = Field(1, ge=1, description="Engine replicas (LLMServer), when not autoscaling.")
     ingress_replicas: int = Field(1, ge=1, description="Ingress replicas (OpenAIIngress).")
+    ingress_ray_actor_options: dict[str, Any] = Field(
+        default_factory=lambda: {"num_cpus": 0}, description="Ray actor options of each ingress replica: e.g. "
+        "`resources: {head_node: 1}` to keep the ingress off the nodes that come and go with the engine replicas.")
     direct_streaming: bool = Field(
         False, description="Each engine replica serves clients itself (HTTP and the DeploymentHandle API), with "
         "no ingress deployment: a request and each stream message cross two processes fewer (Ray Serve LLM's direct "
@@ -298,18 +304,23 @@ class AppArgs(BaseModel):
         return {"min_uncached_prompt_tokens": d.min_uncached_prompt_tokens,
                 "on_transfer_failure": d.on_transfer_failure, "transfer_timeout_s": d.transfer_timeout_s}
 
-    def placement(self, engine: EngineConfig) -> dict[str, Any]:
-        """Deployment options of a multi-rank replica: one bundle per rank (bundle 0 also holding the
-        replica's resources), the strategy, and the replica's GPU (its engine process is the driver rank)."""
+    def placement(self, engine: EngineConfig, role: str | None = None) -> dict[str, Any]:
+        """Deployment options of an engine replica (`role`: of that disaggregation pool): its actor options and,
+        for a multi-rank replica, one bundle per rank (bundle 0 also holding the replica's resources), the
+        strategy, and the replica's GPU (its engine process is the driver rank)."""
+        pool = getattr(self.disaggregation, role) if role is not None else None
+        actor = dict(pool.ray_actor_options if pool is not None and pool.ray_actor_options is not None
+                     else self.ray_actor_options)
         if engine.world_size == 1:
-            return {}
+            return {"ray_actor_options": actor}
         cuda = engine.device == "cuda"
         bundle = dict(self.placement_group_config.bundle_per_worker
                       or ({"GPU": 1.0, "CPU": 1.0} if cuda else {"CPU": 0.01}))
-        actor = dict(self.ray_actor_options)
         if bundle.get("GPU"):
             actor["num_gpus"] = bundle["GPU"]
         first = {**bundle, "CPU": bundle.get("CPU", 0) + actor.get("num_cpus", 0)}
+        for key, amount in actor.get("resources", {}).items():  # Serve places the replica in bundle 0
+            first[key] = first.get(key, 0) + amount
         strategy = (self.placement_group_config.strategy
                     or ("STRICT_PACK" if engine.pipeline_parallel_size == 1 else "PACK"))
         return {"placement_group_bundles": [first] + [dict(bundle) for _ in range(engine.world_size - 1)],

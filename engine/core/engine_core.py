@@ -581,6 +581,7 @@ class EngineCore:
             queued_prefill_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
                                       for queue in (s.running, s.waiting) for r in queue),
             num_kv_held=self.kv_connector.num_held if self.kv_connector is not None else 0,
+            step_queue_tcp_readers=self.executor.step_queue_tcp_readers(),
             num_preemptions=s.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,

@@ -98,6 +98,10 @@ class MessageQueueWriter:
                                        f"connected within {timeout_s:g} s") from None
                 self.readers[index] = (sock, bool(local))
 
+    @property
+    def num_tcp_readers(self) -> int:
+        return sum(not local for _, local in self.readers)
+
     def enqueue(self, obj: Any) -> None:
         """Broadcast `obj`; raises BrokenPipeError/ConnectionError if a reader is gone."""
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)

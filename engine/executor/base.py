@@ -66,6 +66,10 @@ class Executor(ABC):
         load = getattr(self.driver_worker.model, "expert_load", None)
         return load.tolist() if load is not None else None
 
+    def step_queue_tcp_readers(self) -> int:
+        """Ranks that read each step's input over TCP (on other nodes than the driver)."""
+        return 0
+
     def check_health(self) -> str | None:
         """Why the executor cannot serve (a worker died), or None."""
         return None

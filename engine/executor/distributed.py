@@ -78,6 +78,9 @@ class DistributedExecutor(Executor):
             raise self._failure(e) from e
         return result
 
+    def step_queue_tcp_readers(self) -> int:
+        return self.queue.num_tcp_readers if self.queue is not None else 0
+
     def check_health(self) -> str | None:
         return self.launcher.failure() if self.launcher is not None else None
 

@@ -143,7 +143,19 @@ def test_multi_rank_replica_gets_one_bundle_per_rank():
     placement = cpu.placement(cpu.engine_config())
     assert (placement["placement_group_bundles"] == [{"CPU": 0.01}] * 4
             and placement["placement_group_strategy"] == "PACK")
-    assert AppArgs.model_validate({}).placement(AppArgs.model_validate({}).engine_config()) == {}
+    assert AppArgs.model_validate({}).placement(AppArgs.model_validate({}).engine_config()) == {
+        "ray_actor_options": {"num_cpus": 0}}
+    # A custom resource that keeps replicas on some nodes: the replica sits in bundle 0, which must offer it.
+    spread = AppArgs.model_validate({"engine": {"tensor_parallel_size": 2},
+                                     "ray_actor_options": {"num_cpus": 0, "resources": {"big_node": 1}}})
+    assert spread.placement(spread.engine_config())["placement_group_bundles"] == [
+        {"CPU": 0.01, "big_node": 1}, {"CPU": 0.01}]
+
+
+def test_each_pool_of_disaggregation_may_have_its_own_actor_options():
+    args = AppArgs.model_validate({"disaggregation": {"prefill": {"ray_actor_options": {"resources": {"p": 1}}}}})
+    assert args.placement(args.engine_config("prefill"), "prefill") == {"ray_actor_options": {"resources": {"p": 1}}}
+    assert args.placement(args.engine_config("decode"), "decode") == {"ray_actor_options": {"num_cpus": 0}}
 
 
 def test_engine_quantization_passes_through_to_the_engine():
