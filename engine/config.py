@@ -152,6 +152,32 @@ class EngineConfig(BaseModel):
         "rank still routes every token and the partial outputs are all-reduced, as with slicing; fewer, larger "
         "expert matmuls per rank. Refused for a model without experts.",
     )
+    data_parallel_size: int = Field(
+        1, ge=1,
+        description="Mixture-of-experts models: engines (DP ranks) each with its own scheduler, KV cache and "
+        "tensor_parallel_size ranks, which run attention for their own requests only, while every MoE layer's "
+        "experts are sharded across all data_parallel_size x tensor_parallel_size ranks (vLLM's DP attention + "
+        "EP; enable_expert_parallel partitions whole experts, else each expert is sliced). The ranks step in "
+        "lockstep, a rank without work running a one-token dummy step, and sleep together when all are idle. "
+        "The offline LLM starts the ranks as processes and spreads requests across them. Refused for a dense "
+        "model (serve replicas of it instead) and with pipeline parallelism, speculative decoding, LoRA, KV "
+        "transfer, quantization and task='embed'.",
+    )
+    data_parallel_rank: int = Field(
+        0, ge=0, description="Internal, set by whoever starts a data-parallel group's engines: this engine's DP rank."
+    )
+    data_parallel_master: str | None = Field(
+        None,
+        description="Internal, set by whoever starts a data-parallel group's engines and hosts its store: "
+        "'host:port' of the TCPStore the group's ranks meet at. None: not started yet (the offline LLM starts "
+        "the group itself).",
+    )
+    data_parallel_rank_local: int | None = Field(
+        None, ge=0,
+        description="Internal: this DP rank's index among the group's engines on its host, when they share the "
+        "host's GPUs (the offline LLM): its ranks take GPUs from data_parallel_rank_local x world_size on. None: "
+        "the engine's process sees only its own GPUs.",
+    )
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = Field(
         None,
         description="Who runs the ranks: `uni` one rank in the engine's process; `mp` worker processes this "
@@ -258,9 +284,40 @@ class EngineConfig(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_data_parallel(self) -> EngineConfig:
+        size = self.data_parallel_size
+        if self.data_parallel_rank >= size:
+            raise ValueError(f"data_parallel_rank: {self.data_parallel_rank} is not below data_parallel_size={size}")
+        if size == 1:
+            if self.data_parallel_master is not None:
+                raise ValueError("data_parallel_master: set only with data_parallel_size > 1")
+            return self
+        # The pairs not built: each would need its own lockstep (a pipeline's steps in flight, drafts verified
+        # in extra forwards, adapters in the gathered experts' tokens, KV moved between engines).
+        refused = {
+            "pipeline_parallel_size": (self.pipeline_parallel_size > 1, "use tensor_parallel_size within each DP rank"),
+            "speculative_config": (self.speculative_config is not None, "serve without speculative decoding"),
+            "enable_lora": (self.enable_lora, "serve the base model or a merged checkpoint"),
+            "kv_transfer_config": (self.kv_transfer_config is not None, "serve it colocated"),
+            "quantization": (self.quantization is not None, "serve the dense checkpoint"),
+            "task": (self.task != "generate", "embed with a single engine per replica"),
+        }
+        for name, (set_, remedy) in refused.items():
+            if set_:
+                raise ValueError(f"{name}: not supported with data_parallel_size={size} yet; {remedy} (or run "
+                                 "data_parallel_size=1)")
+        return self
+
     @property
     def world_size(self) -> int:
+        """The ranks of one engine (of one DP rank under data parallelism)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def first_device_index(self) -> int:
+        """The GPU index of this engine's rank 0 among those its process sees (data_parallel_rank_local)."""
+        return (self.data_parallel_rank_local or 0) * self.world_size
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

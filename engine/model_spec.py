@@ -68,6 +68,7 @@ def check_config(config: EngineConfig, model_config: ModelConfig) -> Quantizatio
     check_mtp(config, model_config)
     check_vision(config, model_config, quant_config)
     check_task(config, model_config)
+    check_data_parallel(config, model_config, quant_config)
     check_rank_layers(config, engine_model_config(config, model_config), quant_config)
     return quant_config
 
@@ -134,6 +135,26 @@ def check_task(config: EngineConfig, cfg: ModelConfig) -> None:
         raise ValueError(f"task: 'embed' is not supported for {cfg.architecture}; embed with a text model")
 
 
+def check_data_parallel(config: EngineConfig, cfg: ModelConfig, quant_config: QuantizationConfig | None) -> None:
+    """Data parallelism exists for the experts of MoE layers (engine/distributed/data_parallel.py); the pairs it
+    does not take without a model are EngineConfig's to refuse."""
+    size = config.data_parallel_size
+    if size == 1:
+        return
+    if cfg.moe is None:
+        raise ValueError(f"data_parallel_size: {cfg.architecture} is dense (no experts to shard across DP ranks); "
+                         "serve copies of it as independent replicas (the serving app's num_replicas) instead")
+    if cfg.architecture == "GptOssForCausalLM":
+        raise ValueError(f"data_parallel_size: {cfg.architecture}'s experts do not run under data parallelism yet; "
+                         "use tensor_parallel_size (or replicas)")
+    if quant_config is not None:
+        raise ValueError(f"quantization: this {quant_config.name} checkpoint is not supported with "
+                         f"data_parallel_size={size} yet; serve a dense checkpoint or data_parallel_size=1")
+    if cfg.vision is not None:
+        raise ValueError(f"data_parallel_size: {cfg.architecture}'s images are not supported with data parallelism "
+                         "yet; use data_parallel_size=1")
+
+
 def local_model_config(model: str) -> ModelConfig | None:
     """The model's config where this process can read it without weights, network or writes: a built-in
     model's (from its spec: nothing is materialized) or a local checkpoint folder's config.json (with its
@@ -194,11 +215,14 @@ def check_rank_layers(config: EngineConfig, cfg: ModelConfig, quant_config: Quan
     an FP8 block straddling two ranks, packed columns split between ranks, a size the ranks do not divide),
     naming the field. TP ranks of a stage hold equal shapes, so its first rank stands for all."""
     layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
+    dp = config.data_parallel_size
     for stage in range(layout.pipeline_parallel_size):
         rank = layout.tp_ranks(stage)[0]
         groups = ParallelGroups(GroupCoordinator(list(range(layout.world_size)), rank, None),
                                 GroupCoordinator(layout.tp_ranks(stage), rank, None),
-                                GroupCoordinator(layout.pp_ranks(0), rank, None))
+                                GroupCoordinator(layout.pp_ranks(0), rank, None),
+                                GroupCoordinator(list(range(dp * layout.tensor_parallel_size)), 0, None),
+                                GroupCoordinator(list(range(dp)), 0, None))
         with parallel_groups(groups), torch.device("meta"):
             model_class(cfg.architecture)(cfg, quant_config)
 
@@ -211,6 +235,11 @@ def check_devices(config: EngineConfig, device_type: str) -> None:
         raise ValueError(f"tensor_parallel_size x pipeline_parallel_size: {tp} x {pp} ranks, but torch sees "
                          f"{torch.cuda.device_count()} GPU(s) on this host; lower them or use the ray backend "
                          "across hosts")
+    dp = config.data_parallel_size
+    if device_type == "cuda" and config.data_parallel_master is None and dp * tp * pp > torch.cuda.device_count():
+        # The offline LLM starts every DP rank on this host, each on GPUs of its own.
+        raise ValueError(f"data_parallel_size: {dp} engines of {tp * pp} rank(s) each need {dp * tp * pp} GPUs, but "
+                         f"torch sees {torch.cuda.device_count()} on this host; lower it")
 
 
 def check_expert_layout(config: EngineConfig, cfg: ModelConfig) -> None:
@@ -219,12 +248,17 @@ def check_expert_layout(config: EngineConfig, cfg: ModelConfig) -> None:
         if config.enable_expert_parallel:
             raise ValueError(f"enable_expert_parallel: {cfg.architecture} has no experts; leave it off")
         return
+    # The experts are sharded over the TP ranks, or over every rank of every DP rank under data parallelism.
+    dp = config.data_parallel_size
+    shards = dp * tp
+    field = "tensor_parallel_size" if dp == 1 else "data_parallel_size x tensor_parallel_size"
+    value = tp if dp == 1 else f"{dp} x {tp}"
     if config.enable_expert_parallel:
-        if moe.num_experts % tp:
-            raise ValueError(f"tensor_parallel_size: {tp} does not divide num_experts={moe.num_experts} (expert "
+        if moe.num_experts % shards:
+            raise ValueError(f"{field}: {value} does not divide num_experts={moe.num_experts} (expert "
                              f"parallel); use one of {_divisors(moe.num_experts)} or turn enable_expert_parallel off")
-    elif moe.intermediate_size % tp:
-        raise ValueError(f"tensor_parallel_size: {tp} does not divide the experts' intermediate size "
+    elif moe.intermediate_size % shards:
+        raise ValueError(f"{field}: {value} does not divide the experts' intermediate size "
                          f"{moe.intermediate_size}; use one of {_divisors(moe.intermediate_size)} or "
                          "enable_expert_parallel")
     if moe.shared_expert_intermediate_size % tp:

@@ -29,9 +29,10 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.prepared_request import PreparedRequest
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.distributed.data_parallel import DataParallelControl
 from engine.errors import WorkerFailedError
-from engine.executor import Rendezvous, create_executor
-from engine.executor.worker import threads_per_rank
+from engine.executor import ModelInput, Rendezvous, create_executor
+from engine.executor.worker import INIT_TIMEOUT, threads_per_rank
 from engine.kv_transfer.factory import create_kv_connector
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
@@ -62,8 +63,9 @@ class EngineCore:
         multi-rank engine spawns its own (`mp`)."""
         self.config = config
         eos_token_ids = resolve_eos_token_ids(spec.model_config, tokenizer)
-        if config.num_threads is not None or config.world_size > 1:
-            torch.set_num_threads(threads_per_rank(config, config.world_size))
+        ranks_on_host = config.world_size * config.data_parallel_size
+        if config.num_threads is not None or ranks_on_host > 1:
+            torch.set_num_threads(threads_per_rank(config, ranks_on_host))
         self.model_config = spec.model_config
         self.max_model_len = spec.max_model_len
         self.max_num_batched_tokens = resolve_max_num_batched_tokens(config, self.max_model_len)
@@ -80,6 +82,7 @@ class EngineCore:
         draft_bytes = draft_checkpoint.kv_bytes_per_block(config.block_size, spec.dtype) if draft_checkpoint else 0
         self.executor = create_executor(config, spec, rendezvous, draft_bytes)
         self.kv_connector = None
+        self.dp: DataParallelControl | None = None  # a DP rank's lockstep with the other DP ranks
         try:  # the workers of a multi-rank engine are up: a failure from here on stops them
             # Every tensor of a step is made on the driver rank's device.
             device = self.executor.device
@@ -119,6 +122,9 @@ class EngineCore:
             self.batch_builder = BatchBuilder(config, block_tables, drafter, self.kv_connector, self.encoder_cache,
                                               mrope_merge, self.pooler)
             self.step_sampler = StepSampler(sampler, device, self.model_config.vocab_size, self.structured_output)
+            if config.data_parallel_size > 1:
+                self.dp = DataParallelControl(config.data_parallel_master, config.data_parallel_rank,
+                                              config.data_parallel_size, config.step_timeout_s, INIT_TIMEOUT)
         except BaseException:
             self.shutdown()
             raise
@@ -289,6 +295,20 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self._children) or bool(self._in_flight)  # steps in flight are drained even if aborted
 
+    def wants_step(self, poll: bool = True) -> bool:
+        """Whether the engine loop should call `step` now: unfinished requests here, or (a DP rank) a wave of
+        the data-parallel group running, which every rank steps through (engine/distributed/data_parallel.py).
+        `poll`: first take the wave messages that came (raises WorkerFailedError if the group is broken)."""
+        if self.dp is None:
+            return self.has_unfinished_requests()
+        if poll:
+            self.dp.poll()
+        return self.dp.in_wave or self.has_unfinished_requests()
+
+    def wait_sources(self) -> list:
+        """What an idle engine loop must wake on besides its commands (a DP rank: a wave started elsewhere)."""
+        return self.dp.wait_sources() if self.dp is not None else []
+
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._children)
@@ -297,7 +317,55 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one scheduled step; returns what changed in the samples it advanced or finished."""
+        if self.dp is not None:
+            return self._emit(self._step_data_parallel())
         return self._emit(self._step())
+
+    def _step_data_parallel(self) -> list[Request]:
+        """A DP rank's turn: join or start the group's wave, tell the other ranks this step's tokens, and run the
+        step with them; with no tokens here but some elsewhere, a one-token dummy step (the MoE layers' collectives
+        need every rank). Any failure of the forward is fatal: the ranks are out of step, nothing can be re-run."""
+        dp = self.dp
+        dp.poll()
+        if self.has_unfinished_requests():
+            dp.start()
+        if not dp.in_wave:
+            return []
+        compile_failures = self._release_compiled()
+        so = self.scheduler.schedule()
+        plan = None if so.is_empty else self.batch_builder.build(so, self.scheduler.kv_cache_manager)
+        counts = dp.exchange(plan.inp.num_tokens if plan is not None else 0, self.has_unfinished_requests())
+        if plan is None:
+            self.batch_builder.release(so.released_request_ids)
+            if any(counts):
+                self._num_steps += 1
+                self.executor.execute_model(self._dummy_input(counts))
+            elif self._compiling:  # nothing schedulable anywhere: wait for a grammar rather than spin
+                futures.wait([c[0].grammar.future for c in self._compiling.values()], 0.02, futures.FIRST_COMPLETED)
+            elif dp.in_wave:  # requests on another rank, none schedulable there either
+                time.sleep(0.005)
+            return compile_failures
+        self._num_steps += 1
+        plan.inp.dp_num_tokens = counts
+        start = time.monotonic()
+        logits = self.executor.execute_model(plan.inp)
+        try:
+            return compile_failures + self._update(so, self._sample(plan, logits), [], start)
+        except WorkerFailedError:
+            raise
+        except Exception:
+            logger.exception("sampling a step of %d requests failed; failing them", len(so.requests))
+        failed = [r.external_id for r in so.requests]
+        so.num_scheduled_tokens[:] = [0] * len(so.requests)
+        return compile_failures + self._update(so, StepOutput.empty(len(so.requests)), failed, start)
+
+    def _dummy_input(self, dp_num_tokens: list[int]) -> ModelInput:
+        """One token at position 0 whose KV goes to the null block (block 0, which no request reads), nothing
+        sampled: this rank's part of a step in which only other DP ranks have work."""
+        tables = [np.zeros((1, 1), dtype=np.int32) for _ in self.kv_groups.windows]
+        inp = ModelInput.build([0], [0], [1], tables[0], self.config.block_size, window_block_tables=tables[1:])
+        inp.dp_num_tokens = dp_num_tokens
+        return inp
 
     def _step(self) -> list[Request]:
         self.poll_kv_leases()
@@ -554,6 +622,8 @@ class EngineCore:
         delete the KV staged for consumers that will not fetch it now."""
         if self.kv_connector is not None:
             self.kv_connector.discard_held()
+        if self.dp is not None:
+            self.dp.close()
         self.executor.shutdown()
 
     def cache_summary(self, max_blocks: int = 65536) -> bytes:

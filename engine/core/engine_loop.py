@@ -6,6 +6,9 @@ as alone. In its own process the loop keeps its GIL, and outputs cross back once
 requests together.
 
 It drives an EngineCore, so only token ids cross: AsyncLLM makes the text (engine/frontend/output_processor.py).
+A DP rank's loop (EngineConfig.data_parallel_size) also steps while its group is in a wave without work of its
+own, and sleeps on its commands and its wave connection together (engine/distributed/data_parallel.py).
+
 The loop takes commands ("add", PreparedRequest), ("abort", request_id), ("stop", [(request_id, index)]: samples
 a stop string ended), ("release_kv", request_id), ("shutdown", None) and emits events:
     ("ready", EngineStats)                                      once the engine is built
@@ -23,6 +26,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
+from multiprocessing import connection
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
@@ -56,7 +60,9 @@ def run_engine_loop(core: EngineCore, next_command: Callable[[float], Command | 
             if core.cache_version != summary_version and now - summary_time >= SUMMARY_PERIOD_S:
                 summary_version, summary_time = core.cache_version, now
                 emit(("cache_summary", core.cache_summary()))
-            timeout = 0.0 if core.has_unfinished_requests() else IDLE_POLL_S
+            # Not polling a DP rank's wave connection before the commands: a "shutdown" sent to every rank must win
+            # over the broken group that the first rank to stop leaves behind.
+            timeout = 0.0 if core.wants_step(poll=False) else IDLE_POLL_S
             outputs: list[EngineCoreOutput] = []
             num_adds = num_commands = 0
             command = next_command(timeout)
@@ -79,14 +85,32 @@ def run_engine_loop(core: EngineCore, next_command: Callable[[float], Command | 
                     core.release_kv(payload)
                 command = next_command(0.0)
             freed = core.poll_kv_leases()  # blocks held for KV consumers: their stats must show the release
-            if core.has_unfinished_requests():
+            went_idle = False
+            if core.wants_step():  # unfinished requests, or a DP rank's group in a wave (it steps along)
                 outputs.extend(core.step())
-            if outputs or num_commands or freed:  # a stop or an abort changes the stats without an output
+                went_idle = not core.wants_step()  # a DP rank that only stepped along: its stats once idle
+            # A stop or an abort changes the stats without an output.
+            if outputs or num_commands or freed or went_idle:
                 emit(("outputs", outputs, core.get_stats(), num_adds))
     except BaseException as e:
+        if isinstance(e, Exception) and _shutdown_queued(next_command):
+            # A DP rank stopped mid-wave: the first of its group to take the shutdown left the others' collectives.
+            logger.info("the engine stops on a queued shutdown after %s: %s", type(e).__name__, e)
+            return
         logger.exception("fatal engine error")
         emit(("dead", f"the engine died: {type(e).__name__}: {e}"))
         raise
+
+
+def _shutdown_queued(next_command: Callable[[float], Command | None]) -> bool:
+    """Whether a "shutdown" command is waiting (the commands before it are dropped: the engine is going)."""
+    try:
+        while (command := next_command(0.0)) is not None:
+            if command[0] == "shutdown":
+                return True
+    except Exception:  # noqa: BLE001 - the commands' channel is gone too
+        pass
+    return False
 
 
 def heap_trimmer(period_s: float = TRIM_PERIOD_S, idle_gap_s: float = 1.0) -> Callable[[bool], None]:
@@ -131,9 +155,12 @@ def run_engine_process(config: EngineConfig, rendezvous: Rendezvous | None, comm
     events.send(("ready", core.get_stats()))
 
     maybe_trim = heap_trimmer()
+    sources = [commands, *core.wait_sources()]  # a DP rank also wakes when another rank starts a wave
 
     def next_command(timeout: float) -> Command | None:
         maybe_trim(idle=timeout > 0)  # the loop waits only when no request is unfinished
+        if len(sources) > 1:
+            return commands.recv() if commands in connection.wait(sources, timeout) else None
         return commands.recv() if commands.poll(timeout) else None
 
     try:

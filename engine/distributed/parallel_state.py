@@ -13,7 +13,13 @@ receive's buffers) are made there.
 
 Layers take their groups while they are built (`parallel_groups(...)` sets them for the duration) and
 keep them; a single-rank engine builds under the default groups of one, whose collectives return their
-input and touch nothing."""
+input and touch nothing.
+
+Data parallelism (MoE models, engine/distributed/data_parallel.py) adds two groups spanning the engines of
+a data-parallel group, which meet at the group's own store: `ep`, every rank of every DP rank (index
+dp_rank * tp_size + tp_rank; the experts are sharded over it and their partial outputs summed), and `dp`,
+the ranks holding this rank's TP slot in each DP rank (the MoE layers gather the DP ranks' tokens over
+it). Each step's token counts of the DP ranks are the forward's context (`data_parallel_step`)."""
 
 from __future__ import annotations
 
@@ -131,6 +137,20 @@ class GroupCoordinator:
             self.group.allreduce([x], opts).wait()
         return x
 
+    def all_gather_rows(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Every member's `x` ([sizes[i], ...] on member i) concatenated along dim 0; the collective moves
+        each padded to the largest."""
+        if self.group is None:
+            return x
+        start = time.perf_counter()
+        most = max(sizes)
+        if x.shape[0] < most:
+            x = torch.cat([x, x.new_zeros(most - x.shape[0], *x.shape[1:])])
+        parts = [torch.empty_like(x) for _ in self.ranks]
+        self.group.allgather([parts], [x.contiguous()]).wait()
+        self.busy_s += time.perf_counter() - start
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.group is None:
             return x
@@ -179,19 +199,25 @@ def _min_options() -> dist.AllreduceOptions:
     return opts
 
 
+_SINGLE = GroupCoordinator([0], 0, None)
+
+
 @dataclass
 class ParallelGroups:
     world: GroupCoordinator
     tp: GroupCoordinator
     pp: GroupCoordinator
+    # Data parallelism only (groups of one otherwise): the ranks of every DP rank, and this TP slot's in each.
+    ep: GroupCoordinator = _SINGLE
+    dp: GroupCoordinator = _SINGLE
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
-        for group in (self.world, self.tp, self.pp):
+        for group in (self.world, self.tp, self.pp, self.ep, self.dp):
             group.set_timeout(timeout)
 
 
-_SINGLE = GroupCoordinator([0], 0, None)
 _current = ParallelGroups(_SINGLE, _SINGLE, _SINGLE)
+_dp_num_tokens: list[int] | None = None  # the step's tokens on each DP rank, while a forward runs
 
 
 def get_world_group() -> GroupCoordinator:
@@ -204,6 +230,31 @@ def get_tp_group() -> GroupCoordinator:
 
 def get_pp_group() -> GroupCoordinator:
     return _current.pp
+
+
+def get_ep_group() -> GroupCoordinator:
+    return _current.ep
+
+
+def get_dp_group() -> GroupCoordinator:
+    return _current.dp
+
+
+def dp_num_tokens() -> list[int] | None:
+    """The running step's token count on each DP rank, 0 for a rank running a one-token dummy step (None outside
+    a data-parallel forward)."""
+    return _dp_num_tokens
+
+
+@contextlib.contextmanager
+def data_parallel_step(num_tokens: list[int] | None) -> Iterator[None]:
+    """Run a forward knowing every DP rank's token count in this step (what the MoE layers gather)."""
+    global _dp_num_tokens
+    previous, _dp_num_tokens = _dp_num_tokens, num_tokens
+    try:
+        yield
+    finally:
+        _dp_num_tokens = previous
 
 
 @contextlib.contextmanager
@@ -236,13 +287,30 @@ def _new_group(store: dist.Store, name: str, ranks: list[int], rank: int, device
     return GroupCoordinator(ranks, rank, group, collective_device(backend, device))
 
 
-def init_parallel_groups(layout: ParallelLayout, rank: int, store: dist.Store, device: torch.device,
-                         timeout: datetime.timedelta) -> ParallelGroups:
+@dataclass(frozen=True)
+class DataParallelPlace:
+    """Where an engine sits in its data-parallel group: its DP rank among `size`, and the group's store."""
+
+    rank: int
+    size: int
+    store: dist.Store
+
+
+def init_parallel_groups(layout: ParallelLayout, rank: int, store: dist.Store | None, device: torch.device,
+                         timeout: datetime.timedelta, data_parallel: DataParallelPlace | None = None) -> ParallelGroups:
     """Create this rank's world, TP and PP groups, over the backend of the rank's `device` (NCCL for a
     GPU, gloo for the CPU); every rank of the engine calls this once, and each group connects only its
-    own members."""
+    own members (`store` may be None for an engine of one rank). With `data_parallel`, also the EP and DP
+    groups at the data-parallel group's store (pipeline parallelism is refused with it)."""
     tp_rank, pp_rank = layout.tp_rank(rank), layout.pp_rank(rank)
     world = _new_group(store, "world", list(range(layout.world_size)), rank, device, timeout)
     tp = _new_group(store, f"tp{pp_rank}", layout.tp_ranks(pp_rank), rank, device, timeout)
     pp = _new_group(store, f"pp{tp_rank}", layout.pp_ranks(tp_rank), rank, device, timeout)
-    return ParallelGroups(world, tp, pp)
+    groups = ParallelGroups(world, tp, pp)
+    if data_parallel is not None and data_parallel.size > 1:
+        dp_rank, tp_size = data_parallel.rank, layout.tensor_parallel_size
+        groups.ep = _new_group(data_parallel.store, "ep", list(range(data_parallel.size * tp_size)),
+                               dp_rank * tp_size + tp_rank, device, timeout)
+        groups.dp = _new_group(data_parallel.store, f"dp{tp_rank}", list(range(data_parallel.size)), dp_rank, device,
+                               timeout)
+    return groups

@@ -18,7 +18,8 @@ def create_executor(config: EngineConfig, spec: ModelSpec, rendezvous: Rendezvou
     if config.world_size == 1:
         from engine.executor.uniproc import UniProcExecutor
 
-        return UniProcExecutor(config, spec, rank_device(spec.device_type, 0), extra_bytes_per_block)
+        return UniProcExecutor(config, spec, rank_device(spec.device_type, config.first_device_index),
+                               extra_bytes_per_block)
     from engine.executor.distributed import DistributedExecutor
 
     launcher = None

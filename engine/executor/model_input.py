@@ -50,6 +50,9 @@ class ModelInput:
     # An embedder's step (engine/pooling): int64 [k, 2], the (first row, count) of each pooling request's rows
     # the driver returns summed in place of logits.
     pool_segments: np.ndarray | None = None
+    # Data parallelism: every DP rank's tokens in this step, in DP rank order (the MoE layers gather them); 0 for a
+    # rank that runs a one-token dummy step.
+    dp_num_tokens: list[int] | None = None
 
     @classmethod
     def build(cls, input_ids: list[int], starts: list[int], q_lens: list[int], block_tables: np.ndarray,

@@ -29,16 +29,19 @@ class ProcessLauncher(WorkerLauncher):
         self.store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=rendezvous_timeout_s))
         layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
+        first_gpu = config.first_device_index  # past the GPUs of the DP ranks before it, on this host
         rendezvous = Rendezvous(_HOST, self.store.port, f"pagedserve-{uuid.uuid4().hex[:12]}", layout,
-                                rendezvous_timeout_s, driver_device_index=layout.output_rank)
+                                rendezvous_timeout_s, driver_device_index=first_gpu + layout.output_rank)
         self.rendezvous = rendezvous
+        ranks_on_host = layout.world_size * config.data_parallel_size
         ctx = process_context()
         try:
             for rank in range(layout.world_size):
                 if rank == layout.output_rank:
                     continue
                 # On one host, rank r runs on GPU r (rank_device); the driver on GPU output_rank.
-                process = ctx.Process(target=run_worker, args=(config, rendezvous, rank, rank, layout.world_size),
+                process = ctx.Process(target=run_worker,
+                                      args=(config, rendezvous, rank, first_gpu + rank, ranks_on_host),
                                       name=f"pagedserve-rank-{rank}", daemon=True)
                 process.start()
                 self.processes.append(process)

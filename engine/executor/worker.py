@@ -20,7 +20,15 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig, resolve_max_num_batched_tokens
 from engine.core.kv_cache_groups import KVCacheGroups
-from engine.distributed import ParallelGroups, ParallelLayout, init_parallel_groups, parallel_groups
+from engine.distributed import (
+    DataParallelPlace,
+    ParallelGroups,
+    ParallelLayout,
+    data_parallel_step,
+    init_parallel_groups,
+    parallel_groups,
+)
+from engine.distributed.data_parallel import connect_store
 from engine.distributed.message_queue import MessageQueueReader
 from engine.executor.model_input import ModelInput
 from engine.kv_transfer.factory import create_kv_connector
@@ -201,6 +209,9 @@ class Worker:
             intermediate = tuple(pp.recv([shape, shape], self.spec.dtype, pp.rank_in_group - 1))
         if inp.mm_placements:
             out = self.model(input_ids, positions, self.attn_backend, intermediate, mm_embeds=self._image_embeds(inp))
+        elif inp.dp_num_tokens is not None:  # the MoE layers gather every DP rank's tokens
+            with data_parallel_step(inp.dp_num_tokens):
+                out = self.model(input_ids, positions, self.attn_backend, intermediate)
         else:
             out = self.model(input_ids, positions, self.attn_backend, intermediate)
         last_stage = pp is None or pp.is_last
@@ -250,12 +261,23 @@ def threads_per_rank(config: EngineConfig, ranks_on_host: int) -> int:
     return config.num_threads or max(1, (os.cpu_count() or 1) // ranks_on_host)
 
 
+def data_parallel_place(config: EngineConfig) -> DataParallelPlace | None:
+    """Where an engine's ranks find the other DP ranks' (their EP and DP groups); None without data parallelism."""
+    if config.data_parallel_size == 1:
+        return None
+    if config.data_parallel_master is None:
+        raise ValueError(f"data_parallel_size: {config.data_parallel_size} engines are started together by the "
+                         "offline LLM (or the serving app), which host their store; this engine was started alone")
+    return DataParallelPlace(config.data_parallel_rank, config.data_parallel_size,
+                             connect_store(config.data_parallel_master, INIT_TIMEOUT))
+
+
 def init_rank(config: EngineConfig, spec: ModelSpec, rendezvous: Rendezvous, rank: int, device: torch.device,
               store: dist.Store, extra_bytes_per_block: int = 0) -> Worker:
     """Join the engine's groups, build this rank's part of the model and its KV cache. Every rank runs
     these collectives in this order: groups, then the KV block count (the smallest budget wins)."""
     start_rank(device)
-    groups = init_parallel_groups(rendezvous.layout, rank, store, device, INIT_TIMEOUT)
+    groups = init_parallel_groups(rendezvous.layout, rank, store, device, INIT_TIMEOUT, data_parallel_place(config))
     worker = Worker(config, spec, device, groups)
     store.set(f"weight_bytes/{rank}", str(worker.weight_bytes))
     num_blocks = groups.world.all_reduce_min(worker.num_kv_blocks(extra_bytes_per_block))

@@ -75,6 +75,11 @@ class AsyncLLM:
         """`launcher`: who starts the ranks of a multi-rank engine (the serving app passes its Ray launcher);
         by default worker processes on this host. With `multiprocess` the launcher runs here and the engine
         process attaches to the workers: a daemonic engine process could not start processes itself."""
+        if config.data_parallel_size > 1 and (not config.multiprocess or config.data_parallel_master is None):
+            # A DP rank's loop sleeps on its command pipe and its wave connection at once: a process of its own.
+            raise ValueError("data_parallel_size: AsyncLLM runs one DP rank of a group whose store someone hosts "
+                             "(data_parallel_master, set by the serving app), with multiprocess=True; offline, "
+                             "use LLM, which starts every rank")
         self.config = config
         self._launcher = launcher
         self._streams: dict[str, _Stream] = {}

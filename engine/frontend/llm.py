@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
@@ -15,6 +16,9 @@ from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling.params import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
+if TYPE_CHECKING:
+    from engine.frontend.data_parallel import DataParallelEngine
+
 # Text or token ids, or vLLM's dict: {"prompt": text} or {"prompt_token_ids": ids}, with "multi_modal_data".
 PromptType = str | list[int] | dict
 
@@ -24,12 +28,20 @@ class LLM:
     Keyword arguments are EngineConfig fields."""
 
     def __init__(self, model: str, media: MediaSettings | None = None, **engine_config) -> None:
-        """`media`: what image URLs in `chat` may name (data: URLs only by default)."""
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_config))
+        """`media`: what image URLs in `chat` may name (data: URLs only by default). With data_parallel_size > 1
+        (MoE models) the DP ranks' engines run in processes of their own (engine/frontend/data_parallel.py)."""
+        config = EngineConfig(model=model, **engine_config)
+        if config.data_parallel_size > 1:
+            from engine.frontend.data_parallel import DataParallelEngine
+
+            self.llm_engine: LLMEngine | DataParallelEngine = DataParallelEngine(config)
+        else:
+            self.llm_engine = LLMEngine(config)
         self.media = media or MediaSettings()
 
     def shutdown(self) -> None:
-        """Stop the worker processes of a multi-rank engine; they also stop when this process exits."""
+        """Stop the worker processes of a multi-rank engine (and a data-parallel group's engine processes); they
+        also stop when this process exits."""
         self.llm_engine.shutdown()
 
     def get_tokenizer(self):

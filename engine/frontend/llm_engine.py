@@ -30,6 +30,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, rendezvous: Rendezvous | None = None) -> None:
         """`rendezvous`: workers of a multi-rank engine that a launcher already started; without it a
         multi-rank engine spawns its own (`mp`)."""
+        if config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size: LLMEngine steps one engine on the caller's thread; DP ranks step in "
+                             "lockstep in processes of their own: use LLM, which starts them "
+                             "(engine/frontend/data_parallel.py)")
         self.config = config
         spec = ModelSpec.resolve(config)
         self.model_config = spec.model_config

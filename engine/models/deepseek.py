@@ -184,7 +184,6 @@ class DeepseekMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         moe = cfg.moe
-        self.tp_group = get_tp_group()
         self.gate = DeepseekRouter(cfg)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.intermediate_size,
                                 moe.expert_parallel, quant_config, f"{prefix}.experts")
@@ -194,10 +193,8 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return self.tp_group.all_reduce(out)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        return self.experts.forward_reduced(x, weights, ids, shared)
 
 
 class DeepseekDecoderLayer(MoEDecoderLayer):

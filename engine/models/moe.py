@@ -15,7 +15,6 @@ import re
 import torch
 from torch import nn
 
-from engine.distributed import get_tp_group
 from engine.models.config import ModelConfig
 from engine.models.layers import ReplicatedLinear
 from engine.models.layers.fused_moe import EXPERT_PROJECTIONS, FusedMoE, route
@@ -29,13 +28,13 @@ _EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight(_scale_i
 
 
 class SparseMoeBlock(nn.Module):
-    """Router, experts and (Qwen2-MoE) the gated shared expert; one all-reduce of their partial sums."""
+    """Router, experts and (Qwen2-MoE) the gated shared expert; one all-reduce of their partial sums (over the
+    EP group under data parallelism: engine/models/layers/fused_moe.py)."""
 
     def __init__(self, cfg: ModelConfig, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         moe = cfg.moe
         self.moe = moe
-        self.tp_group = get_tp_group()
         # The router stays dense and whole on every rank (as in vLLM): its top-k decides which weights run.
         self.gate = ReplicatedLinear(cfg.hidden_size, moe.num_experts, prefix=f"{prefix}.gate")
         self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.intermediate_size,
@@ -49,11 +48,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.moe.top_k, self.moe.renormalize, self.moe.float32_routing_weights)
-        out = self.experts(x, weights, ids)
+        shared = None
         if self.shared_expert is not None:
             # Linear in the shared expert's partial sum, so the gate may scale it before the all-reduce.
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.tp_group.all_reduce(out)
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.experts.forward_reduced(x, weights, ids, shared)
 
 
 class MoEDecoderLayer(DecoderLayer):

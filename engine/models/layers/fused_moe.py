@@ -11,6 +11,12 @@ choice applied to a batch of tokens at once.
   leaves zeros for the rest; the caller's all-reduce sums them. This is the simple all-gather/all-reduce
   dispatch: hidden states are already on every rank after attention's all-reduce, so no all-to-all is
   needed, at the price of one all-reduce of [tokens, H] per layer (the same as EP off).
+- Data parallelism (EngineConfig.data_parallel_size, vLLM's DP attention + EP): the experts are sharded as
+  above over every rank of every DP rank (the EP group, dp_size x tp_size ranks) instead of the TP group;
+  attention runs on each DP rank's own tokens only. `forward_reduced` gathers the DP group's tokens with
+  their routing (each rank routes its own; sizes differ per rank, known from the step's exchange), runs the
+  local experts on all of them, sums the partial outputs over the EP group (an all-reduce: simple, and fine
+  over gloo) and keeps this rank's rows. A DP rank without work runs a one-token dummy step to take part.
 - Compute on CPU in float32: ops/cpu/fused_moe.cpp takes the router's choice and returns the layer's
   output in one call (weights packed into its panel layout at load).
 - Compute elsewhere: the (token, expert) pairs are sorted by expert, so each expert's rows are contiguous; one
@@ -31,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed import get_tp_group
+from engine.distributed import dp_num_tokens, get_dp_group, get_ep_group, get_tp_group
 from engine.models.checkpoint import CheckpointTensor
 from engine.models.layers.linear import copy_checked, divide
 from engine.models.layers.quantization.base import QuantizationConfig, set_weight_attrs
@@ -178,13 +184,16 @@ class DenseFusedMoEMethod(FusedMoEMethod):
 
 class FusedMoE(nn.Module):
     """The experts of one MoE layer (SwiGLU experts). `forward(x, weights, ids)` returns this rank's
-    partial sum [T, H]: the caller all-reduces it across the TP group (with a shared expert's, if any)."""
+    partial sum [T, H]; `forward_reduced` the layer's output, reduced over the ranks (what blocks call)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  expert_parallel: bool = False, quant_config: QuantizationConfig | None = None,
                  prefix: str = "") -> None:
         super().__init__()
-        self.tp_group = get_tp_group()
+        # The group the experts are sharded over: the TP group, or under data parallelism the EP group (every
+        # rank of every DP rank). tp_rank and tp_size (what quantization methods slice by) are this group's.
+        self.dp_group = get_dp_group()
+        self.tp_group = get_ep_group() if self.dp_group.size > 1 else get_tp_group()
         self.tp_rank, self.tp_size = self.tp_group.rank_in_group, self.tp_group.size
         self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
         self.prefix = prefix
@@ -233,11 +242,42 @@ class FusedMoE(nn.Module):
             loaded = loaded.narrow(dim, self.tp_rank * size, size)
         copy_checked(target, loaded)
 
+    def forward_reduced(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                        shared: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output for this rank's tokens x [T, H] routed to (weights, ids) [T, k], plus `shared`
+        (a shared expert's partial sum over the TP group, [T, H]): partial sums reduced over the ranks. Under
+        data parallelism the experts run on every DP rank's tokens (gathered over the DP group) and the sums
+        are reduced over the EP group; this rank keeps its own rows."""
+        if self.dp_group.size == 1:
+            out = self(x, weights, ids)
+            return self.tp_group.all_reduce(out if shared is None else out + shared)
+        counts = dp_num_tokens()
+        if counts is None:
+            raise RuntimeError("a data-parallel MoE layer ran outside a data-parallel step (no token counts)")
+        dp = self.dp_group
+        if counts[dp.rank_in_group]:  # not a dummy step's token
+            self._count_load(ids)
+        sizes = [n or 1 for n in counts]  # a rank without tokens runs one dummy token
+        start, num_tokens, k = sum(sizes[: dp.rank_in_group]), x.shape[0], ids.shape[1]
+        # Routing travels with the tokens (ids are exact in float32): each token is routed once, by its own rank.
+        routing = dp.all_gather_rows(torch.cat([weights.float(), ids.float()], dim=1), sizes)
+        out = self._experts(dp.all_gather_rows(x, sizes), routing[:, :k].to(weights.dtype), routing[:, k:].long())
+        if shared is not None:
+            out[start : start + num_tokens] += shared
+        return self.tp_group.all_reduce(out)[start : start + num_tokens]
+
+    def _count_load(self, ids: torch.Tensor) -> None:
+        if self.expert_load is not None:
+            flat = ids.reshape(-1)
+            self.expert_load.index_add_(0, flat, torch.ones_like(flat))
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        self._count_load(ids)
+        return self._experts(x, weights, ids)
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         num_tokens, k = ids.shape
         flat = ids.reshape(-1)
-        if self.expert_load is not None:
-            self.expert_load.index_add_(0, flat, torch.ones_like(flat))
         out = self.quant_method.apply_routed(self, x, weights, ids)
         if out is not None:
             return out.to(x.dtype)
