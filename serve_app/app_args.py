@@ -219,6 +219,24 @@ class AppArgs(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _check_data_parallel(self) -> AppArgs:
+        """A DP group (serve_app/data_parallel.py) is one deployment whose replicas are its ranks, fixed in number."""
+        size = self.engine.get("data_parallel_size", 1)
+        if size == 1:
+            return self
+        if self.autoscaling_config is not None:
+            raise ValueError("autoscaling_config: a data-parallel group (engine.data_parallel_size > 1) does not "
+                             "scale: each rank holds its share of the experts; remove autoscaling_config")
+        if "num_replicas" in self.model_fields_set and self.num_replicas != size:
+            raise ValueError(f"num_replicas: {self.num_replicas}, but the replicas of a data-parallel deployment are "
+                             f"its engine.data_parallel_size={size} ranks; leave num_replicas out")
+        for field in ("disaggregation", "direct_streaming"):
+            if getattr(self, field):
+                raise ValueError(f"{field}: not with engine.data_parallel_size > 1 yet")
+        self.num_replicas = size
+        return self
+
+    @model_validator(mode="after")
     def _check_disaggregation(self) -> AppArgs:
         if self.disaggregation is None:
             return self

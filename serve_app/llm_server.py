@@ -72,6 +72,13 @@ class LLMServer:
              "pagedserve.replica": replica_id},
         )
         config = EngineConfig(**engine_config)
+        if config.data_parallel_size > 1:  # one rank of a data-parallel group: which, and where the group meets
+            from serve_app.data_parallel import assign_rank
+
+            context = serve.get_replica_context()
+            rank, master = assign_rank(f"{context.app_name}-{context.deployment}-{config.data_parallel_size}",
+                                       config.data_parallel_size, replica_id)
+            config = config.model_copy(update={"data_parallel_rank": rank, "data_parallel_master": master})
         launcher = None
         if config.world_size > 1 and config.distributed_executor_backend == "ray":
             from serve_app.ray_workers import RayWorkerLauncher  # torch's TCPStore: only a multi-rank replica

@@ -251,3 +251,14 @@ def test_gpu_configs_and_manifests_say_they_have_not_run():
     for path in gpu:
         header = "".join(line for line in path.read_text().splitlines(keepends=True)[:20] if line.startswith("#"))
         assert "UNVERIFIED" in header and "benchmarks/gpu_check.sh" in header, path.name
+
+
+def test_a_data_parallel_deployment_has_one_replica_per_rank_and_does_not_autoscale():
+    engine = {"data_parallel_size": 2, "enable_expert_parallel": True}
+    args = AppArgs.model_validate({"model": "pagedserve-tiny-moe", "engine": engine})
+    assert args.num_replicas == 2 and args.engine_config().data_parallel_size == 2
+    with pytest.raises(ValueError, match="autoscaling_config: a data-parallel group"):
+        AppArgs.model_validate({"model": "pagedserve-tiny-moe", "engine": engine,
+                                "autoscaling_config": {"min_replicas": 1, "max_replicas": 4}})
+    with pytest.raises(ValueError, match="num_replicas: 3, but the replicas of a data-parallel deployment"):
+        AppArgs.model_validate({"model": "pagedserve-tiny-moe", "engine": engine, "num_replicas": 3})

@@ -16,7 +16,7 @@ import pytest
 
 from tests.serve_app.conftest import APP, wait_for
 
-MAX_TOKENS = 400
+MAX_TOKENS = 250
 pytestmark = pytest.mark.runs_last
 
 
