@@ -45,9 +45,10 @@ def _kill(actor_name: str) -> None:
     ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
 
 
-async def _stream(client: httpx.AsyncClient, url: str, i: int, started: asyncio.Event) -> dict:
+async def _stream(client: httpx.AsyncClient, url: str, i: int, started: asyncio.Event,
+                  max_tokens: int = MAX_TOKENS) -> dict:
     """One stream's outcome: its tokens, finish reason and error event, or that the connection broke."""
-    body = {"prompt": f"stream {i} " + "word " * (10 + 7 * i), "max_tokens": MAX_TOKENS, "ignore_eos": True,
+    body = {"prompt": f"stream {i} " + "word " * (10 + 7 * i), "max_tokens": max_tokens, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     outcome = {"tokens": 0, "finish_reason": None, "error": None, "broken": False, "done": False}
     try:
