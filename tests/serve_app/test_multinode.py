@@ -242,8 +242,7 @@ def _nodes_with(resource: str) -> set[str]:
 
 def test_removed_node_of_a_data_parallel_rank_ends_the_groups_streams(tp_url, cluster):
     """A DP group's two ranks on the two `tp_node` nodes (the TP app gives them up): a stream runs on one rank;
-    either rank's node going breaks the group, so the stream ends with an error event within 5 s, and the
-    group, replaced as a whole, serves once a node joins."""
+    either rank's node going breaks the group, so the stream ends with an error event within 5 s."""
     from ray import serve
 
     serve.delete(TP_APP)
@@ -255,5 +254,4 @@ def test_removed_node_of_a_data_parallel_rank_ends_the_groups_streams(tp_url, cl
     outcome, after = _stream_then_remove(url, cluster, node)
     assert outcome["finish_reason"] != "length" and outcome["error"] is not None and outcome["done"], outcome
     assert after < 5, f"the stream ended {after:.1f} s after its node was removed"
-    cluster.add_node(**NODE_RESOURCES)
-    wait_for(lambda: _serves(url), timeout=120, interval=1)
+    # The group's replacement as a whole is shown by test_data_parallel_app.py (a killed rank); not again here.
