@@ -26,12 +26,12 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
-from engine.core.engine_loop import run_engine_loop, run_engine_process
+from engine.core.engine_loop import run_engine_loop
 from engine.core.prepared_request import PreparedRequest
 from engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from engine.frontend.input_processor import InputProcessor
 from engine.frontend.output_processor import OutputProcessor
-from engine.frontend.processes import process_context
+from engine.frontend.processes import start_engine_process
 from engine.lora.request import LoRARequest
 from engine.outputs import PoolingRequestOutput, RequestOutput, merge_deltas
 from engine.pooling.params import PoolingParams
@@ -127,16 +127,8 @@ class AsyncLLM:
         self._thread.start()
 
     def _start_process(self, rendezvous: Rendezvous | None) -> None:
-        ctx = process_context()
-        commands_in, self._commands_out = ctx.Pipe(duplex=False)
-        events_in, events_out = ctx.Pipe(duplex=False)
-        # The tokenizer goes along: the engine process needs it (grammars, EOS) and loading another costs seconds.
-        args = (self.config, rendezvous, commands_in, events_out, self.processor.tokenizer)
-        self._process = ctx.Process(target=run_engine_process, args=args, name="pagedserve-engine-core", daemon=True)
-        self._process.start()
-        commands_in.close()
-        events_out.close()
-        self._events = events_in
+        self._process, self._commands_out, self._events = start_engine_process(
+            self.config, rendezvous, self.processor.tokenizer, "pagedserve-engine-core")
         self._send_lock = threading.Lock()
         try:
             while not self._events.poll(0.5):  # ("ready", stats) comes, or ("dead", why) if loading failed

@@ -16,14 +16,13 @@ from collections.abc import Iterable
 from multiprocessing import connection
 
 from engine.config import EngineConfig
-from engine.core.engine_loop import run_engine_process
 from engine.core.prepared_request import PreparedRequest
 from engine.distributed.data_parallel import host_store
 from engine.errors import WorkerFailedError
 from engine.executor.multiproc import ProcessLauncher
 from engine.frontend.input_processor import InputProcessor
 from engine.frontend.output_processor import OutputProcessor
-from engine.frontend.processes import process_context
+from engine.frontend.processes import start_engine_process
 from engine.lora.request import LoRARequest
 from engine.model_spec import ModelSpec
 from engine.outputs import RequestOutput
@@ -59,7 +58,6 @@ class DataParallelEngine:
         self._failure: WorkerFailedError | None = None
         self._closed = False
         self._store, address = host_store()
-        ctx = process_context()
         try:
             for rank in range(size):
                 rank_config = config.model_copy(update={"data_parallel_rank": rank, "data_parallel_master": address,
@@ -69,14 +67,8 @@ class DataParallelEngine:
                     launcher = ProcessLauncher()
                     self._launchers.append(launcher)
                     rendezvous = launcher.launch(rank_config, config.step_timeout_s)
-                commands_in, commands_out = ctx.Pipe(duplex=False)
-                events_in, events_out = ctx.Pipe(duplex=False)
-                process = ctx.Process(target=run_engine_process,
-                                      args=(rank_config, rendezvous, commands_in, events_out, self.tokenizer),
-                                      name=f"pagedserve-dp-rank-{rank}", daemon=True)
-                process.start()
-                commands_in.close()
-                events_out.close()
+                process, commands_out, events_in = start_engine_process(rank_config, rendezvous, self.tokenizer,
+                                                                        f"pagedserve-dp-rank-{rank}")
                 self._processes.append(process)
                 self._commands.append(commands_out)
                 self._events.append(events_in)
