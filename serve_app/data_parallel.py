@@ -23,22 +23,21 @@ from engine.distributed.data_parallel import host_store
 class DataParallelRankAssigner:
     def __init__(self, size: int) -> None:
         self.size = size
-        self.generation, self.assigned = -1, size  # no generation yet: the first ask opens one
+        self.assigned = size  # ranks handed out in the current generation: none open yet, the first ask opens one
         self.stores: list = []  # the generations' TCPStores; a live group's ranks keep using theirs
 
-    def assign(self, replica_id: str) -> tuple[int, str, int]:
-        """(rank, the group's store address, generation) for a starting replica."""
+    def assign(self, replica_id: str) -> tuple[int, str]:
+        """(rank, the group's store address) for a starting replica."""
         if self.assigned == self.size:
             store, address = host_store(ray.util.get_node_ip_address())
             self.stores = [*self.stores[-1:], (store, address)]  # the previous group may still be tearing down
-            self.generation, self.assigned = self.generation + 1, 0
+            self.assigned = 0
         rank, self.assigned = self.assigned, self.assigned + 1
-        return rank, self.stores[-1][1], self.generation
+        return rank, self.stores[-1][1]
 
 
 def assign_rank(deployment_key: str, size: int, replica_id: str) -> tuple[int, str]:
     """This replica's DP rank and its group's store, from the deployment's assigner (started by the first)."""
     assigner = DataParallelRankAssigner.options(name=f"pagedserve-dp-{deployment_key}", namespace="pagedserve",
                                                 get_if_exists=True, lifetime="detached").remote(size)
-    rank, address, _ = ray.get(assigner.assign.remote(replica_id))
-    return rank, address
+    return ray.get(assigner.assign.remote(replica_id))
