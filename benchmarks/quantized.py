@@ -11,7 +11,8 @@ B * T / the time from the step where every request has its first token to the la
 runs --rounds times, interleaved with the others, and its best round counts. llama.cpp:
 `llama-batched-bench -npp P -ntg T -npl B` on GGUF files converted from the same checkpoint, quantized with
 `llama-quantize --leave-output-tensor` so that its LM head stays f32 as ours does (S_TG: its decode rate).
-llama.cpp is built by benchmarks/peers/llamacpp.py (the serving-quality branch's helper).
+llama.cpp is built by benchmarks/peers/llamacpp.py. `python -m benchmarks.peers --formats` runs this after
+the served side, in the same run.
 `--vllm`: vLLM's CPU backend too (benchmarks/peers/vllm_cpu.py), float32 and bfloat16 on the same checkpoint,
 and W8A8 on a compressed-tensors checkpoint of it written by the compressed-tensors package (weights per
 channel, activations per token: RedHatAI's format), which both engines load in bfloat16 ("ct w8a8").
@@ -134,12 +135,8 @@ def bench_vllm(model: str, args) -> dict:
 
 
 def bench_llamacpp(model: str, args) -> dict:
-    try:
-        from benchmarks.peers import llamacpp
-    except ImportError:
-        print("llama.cpp: benchmarks/peers/llamacpp.py is not in this checkout (it comes with the serving-quality "
-              "branch); skipping its columns")
-        return {}
+    from benchmarks.peers import llamacpp
+
     built = llamacpp.build()
     path = materialize_builtin(model)
     folder = llamacpp.cache_dir() / "models"
@@ -213,7 +210,7 @@ def compute_rates(threads: int, n: int = 2048, k: int = 1536, group: int = 128) 
     return {key: key[1] * n * k / seconds / 1e9 for key, seconds in best.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["pagedserve-56m", "pagedserve-600m"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
@@ -225,7 +222,7 @@ def main() -> None:
     parser.add_argument("--no-llamacpp", action="store_true")
     parser.add_argument("--vllm", action="store_true", help="vLLM CPU's float32 and bfloat16 beside ours")
     parser.add_argument("--no-rates", action="store_true", help="skip the one-layer GMAC/s table")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     for model in args.models:
         ours, nbytes = bench_ours(model, args)

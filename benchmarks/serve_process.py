@@ -56,6 +56,10 @@ def with_args(config: dict, **args) -> dict:
 class ServeApp:
     url: str
     process: subprocess.Popen
+    # A server that is not ours (vLLM's): the role of the process started (None: not counted, as `serve run`'s
+    # driver, which waits) and of everything it starts (None: by _role).
+    root_role: str | None = None
+    child_role: str | None = None
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU time used so far by the app's processes, by role: haproxy, ingress, replica (the engine
@@ -64,12 +68,15 @@ class ServeApp:
 
         total: dict[str, float] = {}
         try:
-            procs = psutil.Process(self.process.pid).children(recursive=True)
+            root = psutil.Process(self.process.pid)
+            procs = [(p, self.child_role) for p in root.children(recursive=True)]
         except psutil.Error:
             return total
-        for p in procs:
+        if self.root_role:
+            procs.append((root, self.root_role))
+        for p, known_role in procs:
             try:
-                role = _role(p) or "other"
+                role = known_role or _role(p) or "other"
                 t = p.cpu_times()
                 total[role] = total.get(role, 0.0) + t.user + t.system
             except psutil.Error:
@@ -125,14 +132,15 @@ def serve_run(config: dict, port: int, ready_timeout_s: float = 300, log: Path |
 
 @contextmanager
 def server_process(cmd: list[str], url: str, what: str, cwd: Path | str, env: dict[str, str],
-                   ready_timeout_s: float, log: Path | None = None) -> Iterator[ServeApp]:
+                   ready_timeout_s: float, log: Path | None = None, root_role: str | None = None,
+                   child_role: str | None = None) -> Iterator[ServeApp]:
     """`cmd` as an HTTP server in a session of its own (its output to `log`), up once `url`/health answers;
-    stopped, with whatever it started, on exit. `what` names it in errors."""
+    stopped, with whatever it started, on exit. `what` names it in errors; the roles: ServeApp's."""
     out = open(log, "w") if log else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_healthy(proc, url, ready_timeout_s, what + (f" (see {log})" if log else ""))
-        yield ServeApp(url, proc)
+        yield ServeApp(url, proc, root_role, child_role)
     finally:
         stop(proc)
         if log:

@@ -1,4 +1,4 @@
-"""The open-loop streaming client every serving benchmark shares (serving.py, peer_llamacpp.py, auto_tune.py):
+"""The open-loop streaming client every serving benchmark shares (serving.py, peers, auto_tune.py):
 requests leave at their scheduled times whatever the server does (a closed loop would slow down with the
 server and hide its queueing), each one streamed, and every SSE event timed as it arrives.
 

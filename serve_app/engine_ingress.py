@@ -2,7 +2,7 @@
 LLM's direct streaming. Behind HAProxy a request goes HAProxy -> engine replica -> engine process and
 each stream message comes straight back, instead of crossing the ingress replica and two Ray calls each
 way: on 2 cores that was ~8 ms of a lone request's TTFT and, with 64 streams at once, half or more of
-the app's CPU per request outside the engine (benchmarks/results/peer_llamacpp.md, run 10)."""
+the app's CPU per request outside the engine (benchmarks/results/peers.md, run 10)."""
 
 from __future__ import annotations
 

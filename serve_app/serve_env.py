@@ -19,7 +19,7 @@ HAPROXY_INGRESS_ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE
 # - One event loop per replica process: by default Serve runs user code on a thread and event loop of its
 #   own, and the handle's router on another, so every streamed message hopped threads (a wake-up through a
 #   self-pipe and a GIL hand-off) once in the engine replica and twice in the ingress. Measured on 2 cores
-#   under load (benchmarks/peer_llamacpp.py --env ...): 20-22% less CPU per request in the ingress and in
+#   under load (python -m benchmarks.peers --env ...): 20-22% less CPU per request in the ingress and in
 #   the engine replica. Our code never blocks its loop (format compiles go to a worker thread).
 # - With direct_streaming and the prefix router, HAProxy hands IngressRouter the request's body (the prompt is
 #   what it routes on), up to 64 KiB (~15k prompt tokens; longer ones are routed by load): HAProxy's buffers

@@ -138,8 +138,8 @@ def offline_runs(model_dir: Path, runs: list[list[tuple[list[int], int]]], dtype
 def serve(model_dir: Path, port: int, extra_args: tuple[str, ...] = (), kv_cache_gb: int = 1,
           threads: int = 1, ready_timeout_s: float = 600, log: Path | None = None) -> Iterator[ServeApp]:
     """vLLM's OpenAI server (`vllm.entrypoints.openai.api_server`) on `model_dir` at `port`, up and healthy;
-    yields it (`.url`, `.cpu_seconds()`), stopped on exit. `extra_args`: more of its flags (`--runner pooling`
-    for embeddings). `threads`: OMP_NUM_THREADS, as ours get num_threads."""
+    yields it (`.url`, `.cpu_seconds()`: its API server and engine core), stopped on exit. `extra_args`: more of
+    its flags (`--runner pooling` for embeddings). `threads`: OMP_NUM_THREADS, as ours get num_threads."""
     from benchmarks.serve_process import server_process
 
     python = install()
@@ -148,5 +148,6 @@ def serve(model_dir: Path, port: int, extra_args: tuple[str, ...] = (), kv_cache
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", "127.0.0.1",
            "--port", str(port), *extra_args]
     with tempfile.TemporaryDirectory(prefix="vllm-serve-") as cwd:  # not ours: vLLM must not import our packages
-        with server_process(cmd, f"http://127.0.0.1:{port}", "vLLM's server", cwd, env, ready_timeout_s, log) as server:
+        with server_process(cmd, f"http://127.0.0.1:{port}", "vLLM's server", cwd, env, ready_timeout_s, log,
+                            root_role="api server", child_role="engine core") as server:
             yield server
