@@ -5,10 +5,14 @@ killed rank takes its group down, and Serve replaces the group as a whole, which
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import httpx
 import pytest
 
 from tests.serve_app.conftest import ENGINE, wait_for
+from tests.serve_app.test_faults import _stream
 
 APP, PREFIX = "dp", "/dp"
 MODEL = "pagedserve-tiny-moe"
@@ -55,13 +59,28 @@ def test_two_ranks_answer_like_one_engine(app_url):
     assert len(stats) == 2 and all(s.num_steps > 0 for s in stats)  # both ranks stepped (dummy steps count)
 
 
-def test_a_killed_rank_replaces_the_group(app_url):
+def test_a_killed_rank_ends_the_groups_streams_and_replaces_the_group(app_url):
+    """Whichever rank a stream runs on, the other rank's death breaks the group: the stream ends with an error
+    event within 5 s (both ranks step every MoE layer together), then Serve replaces both ranks."""
     import ray
 
     before = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                     if a["name"].startswith(f"SERVE_REPLICA::{APP}#LLMServer#"))
     assert len(before) == 2
-    ray.kill(ray.get_actor(before[1], namespace="serve"), no_restart=True)
+
+    async def stream_then_kill() -> tuple[dict, float]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60)) as client:
+            started = asyncio.Event()
+            task = asyncio.create_task(_stream(client, app_url, 0, started, max_tokens=900))
+            await asyncio.wait_for(started.wait(), 30)
+            ray.kill(ray.get_actor(before[1], namespace="serve"), no_restart=True)
+            killed_at = time.monotonic()
+            outcome = await asyncio.wait_for(task, 30)
+            return outcome, time.monotonic() - killed_at
+
+    outcome, after = asyncio.run(stream_then_kill())
+    assert outcome["finish_reason"] != "length" and outcome["error"] is not None and outcome["done"], outcome
+    assert after < 5, f"the stream ended {after:.1f} s after a rank was killed"
 
     def replaced() -> bool:
         now = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)

@@ -6,6 +6,7 @@ DeploymentHandle answers `embeddings`; no KV is held afterwards."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -23,8 +24,11 @@ TEXTS = ["Hello world", "Embeddings for retrieval pipelines, " * 6, "Short"]
 
 
 @pytest.fixture(scope="module")
-def embed_url(deploy_app) -> str:
-    return deploy_app(APP_NAME, "/embed", model=MODEL, num_replicas=1, engine={**ENGINE, "task": "embed"})
+def embed_url(deploy_app) -> Iterator[str]:
+    from ray import serve
+
+    yield deploy_app(APP_NAME, "/embed", model=MODEL, num_replicas=1, engine={**ENGINE, "task": "embed"})
+    serve.delete(APP_NAME)  # its replica would otherwise share the 2 cores with every later test
 
 
 @pytest.fixture(scope="module")

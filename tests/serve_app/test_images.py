@@ -10,6 +10,7 @@ import http.server
 import io
 import threading
 import time
+from collections.abc import Iterator
 
 import anthropic
 import numpy as np
@@ -66,11 +67,14 @@ def image_server():
 
 
 @pytest.fixture(scope="module")
-def vlm_app(deploy_app, qwen2_5_vl_checkpoint) -> str:
-    return deploy_app("vlm", "/vlm", model=str(qwen2_5_vl_checkpoint), num_replicas=1,
-                      engine={"max_model_len": 512, "num_kv_blocks": 128, "num_threads": 1,
-                              "limit_mm_per_prompt": {"image": 2}},
-                      allowed_media_domains=["127.0.0.1"], media_fetch_timeout_s=1.0, max_media_bytes=PNG_SIZE_LIMIT)
+def vlm_app(deploy_app, qwen2_5_vl_checkpoint) -> Iterator[str]:
+    from ray import serve
+
+    yield deploy_app("vlm", "/vlm", model=str(qwen2_5_vl_checkpoint), num_replicas=1,
+                     engine={"max_model_len": 512, "num_kv_blocks": 128, "num_threads": 1,
+                             "limit_mm_per_prompt": {"image": 2}},
+                     allowed_media_domains=["127.0.0.1"], media_fetch_timeout_s=1.0, max_media_bytes=PNG_SIZE_LIMIT)
+    serve.delete("vlm")  # its replica would otherwise share the 2 cores with every later test
 
 
 @pytest.fixture(scope="module")
@@ -85,20 +89,24 @@ def _chat(client, *urls: str, text: str = "What is in"):
                                           extra_body={"ignore_eos": True})
 
 
-def _offline_text(qwen2_5_vl_checkpoint, *pngs: bytes, text: str = "What is in") -> str:
+@pytest.fixture(scope="module")
+def expected(qwen2_5_vl_checkpoint) -> str:
+    """The offline engine's answer to SMALL and OTHER after "What is in" (one engine for the module)."""
     config = EngineConfig(model=str(qwen2_5_vl_checkpoint), max_model_len=512, num_kv_blocks=128)
     processor = InputProcessor.from_config(config)
     ids = processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "text", "text": text}] + [{"type": "image"}] * len(pngs)}])
-    images = [Image.open(io.BytesIO(p)) for p in pngs]
+        [{"role": "user", "content": [{"type": "text", "text": "What is in"}, {"type": "image"}, {"type": "image"}]}])
+    images = [Image.open(io.BytesIO(p)) for p in (SMALL, OTHER)]
     llm = LLM(str(qwen2_5_vl_checkpoint), max_model_len=512, num_kv_blocks=128)
-    out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}],
-                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    try:
+        out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}],
+                           SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
     return out.outputs[0].text
 
 
-def test_data_and_fetched_urls_give_the_offline_tokens(client, image_server, qwen2_5_vl_checkpoint):
-    expected = _offline_text(qwen2_5_vl_checkpoint, SMALL, OTHER)
+def test_data_and_fetched_urls_give_the_offline_tokens(client, image_server, expected):
     by_data = _chat(client, _data_url(SMALL), _data_url(OTHER))
     assert by_data.choices[0].message.content == expected
     assert by_data.usage.prompt_tokens > 8 + 6  # each image's placeholders (4 x 4 and 4 x 2 squares) are in it
@@ -107,8 +115,7 @@ def test_data_and_fetched_urls_give_the_offline_tokens(client, image_server, qwe
     assert client.models.list().data[0].model_extra["input_modalities"] == ["text", "image"]
 
 
-def test_anthropic_base64_blocks_give_the_offline_tokens(vlm_app, client, qwen2_5_vl_checkpoint):
-    expected = _offline_text(qwen2_5_vl_checkpoint, SMALL, OTHER)
+def test_anthropic_base64_blocks_give_the_offline_tokens(vlm_app, client, expected):
     claude = anthropic.Anthropic(base_url=vlm_app, api_key="unused", max_retries=0, timeout=60)
     blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                            "data": base64.b64encode(png).decode()}} for png in (SMALL, OTHER)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 
 import pytest
 
@@ -79,9 +80,12 @@ SHAPED = {"thinking_token_budget": 4, "structured_outputs": {"regex": "[a-z]{3,8
 
 
 @pytest.fixture(scope="module")
-def reasoning_url(deploy_app) -> str:
-    return deploy_app("reasoning", "/reasoning", model="pagedserve-tiny", num_replicas=1,
-                      reasoning_parser="deepseek_r1", engine={"max_model_len": 1536, "num_kv_blocks": 128})
+def reasoning_url(deploy_app) -> Iterator[str]:
+    from ray import serve
+
+    yield deploy_app("reasoning", "/reasoning", model="pagedserve-tiny", num_replicas=1,
+                     reasoning_parser="deepseek_r1", engine={"max_model_len": 1536, "num_kv_blocks": 128})
+    serve.delete("reasoning")  # its replica would otherwise share the 2 cores with every later test
 
 
 def test_chat_returns_reasoning_apart_whole_and_streamed(reasoning_url):

@@ -35,8 +35,10 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("arch", ARCHS)
+# The scheduler's modes for llama and gemma3 (whose window layers keep KV groups of their own); the other
+# architectures differ only inside the layers: the default mode.
+@pytest.mark.parametrize("arch,variant", [(arch, variant) for arch in ARCHS
+                                          for variant in (VARIANTS if arch in ("llama", "gemma3") else ["default"])])
 def test_greedy_parity(arch, variant, hf_checkpoint):
     path = str(hf_checkpoint(arch))
     llm = LLM(path, dtype="float32", **VARIANTS[variant])

@@ -157,7 +157,9 @@ def moe_engine(hf_checkpoint):
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_moe_greedy_parity_in_every_mode(arch, moe_engine):
     path, llm = moe_engine(arch)
-    for variant in VARIANTS:
+    # The scheduler's modes where the KV differs (deepseek_v3's latent cache, gpt_oss's window layers) and for
+    # mixtral; the other architectures differ only inside the layers: the default mode.
+    for variant in VARIANTS if arch in ("mixtral", "deepseek_v3", "gpt_oss") else ["default"]:
         _use_variant(llm, {**POOL, **VARIANTS[variant]})
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         for prompt, out in zip(PROMPTS, outs):
