@@ -21,10 +21,12 @@ install: $(STAMP)
 
 # Ray Serve's settings for the app (serve_app/serve_env.py says why each): HAProxy in front of the
 # ingress replicas instead of Ray's proxy actor, a 1 s deregistration window for a stopping ingress, one
-# event loop per replica process, and request bodies (up to 64 KiB) for the prefix router of direct streaming.
+# event loop per replica process, request bodies (up to 64 KiB) for the prefix router of direct streaming,
+# and a quieter controller loop and metrics export.
 SERVE_ENV := RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=1 \
 	RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 \
-	RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1 RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE=65536
+	RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1 RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE=65536 \
+	RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5 RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=1000
 
 # serve_app/run.py is `serve run` with a Ctrl-C that drains the streams in flight before the proxies go.
 run: install

@@ -24,7 +24,15 @@ HAPROXY_INGRESS_ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE
 # - With direct_streaming and the prefix router, HAProxy hands IngressRouter the request's body (the prompt is
 #   what it routes on), up to 64 KiB (~15k prompt tokens; longer ones are routed by load): HAProxy's buffers
 #   take that size then, and Ray's 8 MiB default would cost 16 MiB per connection.
+# - Ray's own background work turned down (benchmarks/results/ray_background.md): Serve's controller runs its
+#   control loop every 0.5 s instead of 0.1 (each pass reads and writes state in the GCS, so both idled at a
+#   third of their CPU), and replicas export their cached request metrics every 1 s instead of 0.1 (Prometheus
+#   scrapes every few seconds anyway). With the 56M app at 4 requests/s on 2 cores, Ray's processes and ours
+#   outside the engine took 78 ms of CPU per request instead of 122, and 0.12 cores idle instead of 0.17. The
+#   price: the controller notices a change (a deploy's step, a dead replica, a scaling decision) up to 0.4 s
+#   later, against seconds for a replica to start.
 SERVE_ENV = {**HAPROXY_INGRESS_ENV, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
              "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
              "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
-             "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE": "65536"}
+             "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE": "65536",
+             "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
