@@ -41,8 +41,15 @@
 // signed ones: 64 per instruction, a quarter of float32's bytes). W8A8 stores its weights plus 128 as unsigned
 // bytes, quantizes each row of x on entry, symmetric (x / (max|x| / 127), rounded half to even), and takes
 // 128 * the row's sum off each integer sum, which is exact. Where the CPU lacks the instruction,
-// bfloat16 widens its panels to float32 in registers (the float32 paths above) and W8A8 runs a portable loop
-// of the same integer sums.
+// bfloat16 widens its panels to float32 in registers (the float32 paths above). W8A8 and W4A8 keep their
+// panels and exact integer sums with AVX2, a unit in two 256-bit registers (rows 0-7, 8-15) times x's bytes
+// broadcast by vpbroadcastd: vpdpbusd where the CPU has AVX-VNNI (AVX-512's sums, two instructions a unit),
+// else vpmaddubsw + vpmaddwd over |q| and x with q's signs (vpmaddubsw saturates int16, which (q + 128) x
+// overflows: U8S8Dot). A 2048 -> 1536 layer at 1 / 16 / 64 rows of x, 2 threads, on an Intel AVX-512 host
+// built without it: W8A8 ran 5.3 / 1.0 / 1.0x float32 panels with AVX2 alone (its three instructions share two
+// ports there: 16 multiply-adds a cycle, float32's FMAs' rate), 7.9 / 2.7 / 2.9x with AVX-VNNI; W4A8 6.9 /
+// 1.6 / 1.6x and 8.4 / 2.1 / 2.0x. Only builds without AVX2 run a portable loop of the same integer sums
+// (9-25x slower than AVX2 alone for W8A8, 76-160x for W4A8).
 
 // Not torch/extension.h: paged_attention.cpp says why.
 #include <ATen/core/Tensor.h>
@@ -367,16 +374,35 @@ constexpr int64_t kUnitBytes = 64;       // 16 rows x 4 bytes
 constexpr int64_t kChunkUnits = 128;     // units per chunk of a panel that tiles of rows pass over: 8 KiB
 constexpr int64_t kDotTileRows = 16;     // rows of x per tile: 16 accumulators + a unit + a broadcast
 
+// W8A8's and W4A8's integer sums: vpdpbusd over zmm (AVX512-VNNI), else over pairs of ymm (AVX2, below).
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
+#define PAGEDSERVE_INT8_DOT 1
+#endif
+
+#if defined(__AVX512BF16__) || defined(PAGEDSERVE_INT8_DOT)
+// A dot policy: one step of dot_tile over a panel. Acc the 16 sums (float32 or int32); Unit what a step
+// reads of the panel (64 bytes at `at(w, s)`) in registers; dot(acc, x, unit) adds its products with one row
+// of x's kXBytes bytes for that step; kUnits: 4-byte units of x per step (W4A8 over ymm takes two at once);
+// kTileRows: rows of x per tile; kSplit[m - 1]: sums per row for m direct rows (dot_tile's SPLIT); kOffset:
+// what the weights it multiplies exceed the stored q by (W8A8), times the row's sum to take off.
+//
+// Over zmm: the dot-product instructions over 16 32-bit lanes, a unit of the panel in a register, x's 4 bytes
+// broadcast from memory by the instruction itself ({1to16}, in inline assembly: GCC emits a separate
+// vpbroadcastd for the intrinsics, a second load per instruction that held vdpbf16ps at ~0.8x oneDNN's
+// bfloat16 from 16 to 256 rows). vpdpbusd's broadcast operand is its signed one: x, not the weights.
 #if defined(__AVX512BF16__) || defined(__AVX512VNNI__)
-// The dot-product instructions over 16 32-bit lanes: Acc the sums (float32 or int32), a unit of the panel in a
-// register, x's 4 bytes broadcast from memory by the instruction itself ({1to16}, in inline assembly: GCC
-// emits a separate vpbroadcastd for the intrinsics, a second load per instruction that held vdpbf16ps at ~0.8x
-// oneDNN's bfloat16 from 16 to 256 rows). vpdpbusd's broadcast operand is its signed one: x, not the weights.
-#if defined(__AVX512BF16__)
-struct Bf16Dot {
-  using Acc = __m512;
+struct ZmmDot {
+  using Unit = __m512i;
+  static constexpr int kXBytes = 4, kUnits = 1;
+  static constexpr int64_t kTileRows = kDotTileRows;
+  static constexpr int kSplit[4] = {4, 2, 2, 1};
   static const uint8_t* at(const uint8_t* w, int64_t u) { return w + u * kUnitBytes; }
   static __m512i unit(const uint8_t* w, int64_t u) { return _mm512_loadu_si512(at(w, u)); }
+};
+#endif
+#if defined(__AVX512BF16__)
+struct Bf16Dot : ZmmDot {
+  using Acc = __m512;
   static Acc zero() { return _mm512_setzero_ps(); }
   static Acc dot(Acc acc, const uint8_t* x, __m512i w) {
     asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
@@ -388,10 +414,9 @@ struct Bf16Dot {
 };
 #endif
 #if defined(__AVX512VNNI__)
-struct U8S8Dot {
+struct U8S8Dot : ZmmDot {
   using Acc = __m512i;
-  static const uint8_t* at(const uint8_t* w, int64_t u) { return w + u * kUnitBytes; }
-  static __m512i unit(const uint8_t* w, int64_t u) { return _mm512_loadu_si512(at(w, u)); }
+  static constexpr int32_t kOffset = 128;
   static Acc zero() { return _mm512_setzero_si512(); }
   static Acc dot(Acc acc, const uint8_t* x, __m512i w) {
     asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
@@ -410,17 +435,136 @@ struct U4S8Dot : U8S8Dot {
     return _mm512_and_si512(_mm512_srl_epi16(bytes, _mm_cvtsi64_si128((u & 1) * 4)), _mm512_set1_epi8(0x0F));
   }
 };
+#elif defined(__AVX2__)
+// Over ymm: a unit's rows 0-7 and 8-15 in two registers, two int32 sums each, x's 4 bytes broadcast by
+// vpbroadcastd (AVX2 has no embedded broadcast). Sums of 16 lanes: lo rows 0-7, hi rows 8-15.
+struct Ymm2 {
+  __m256i lo, hi;
+  static Ymm2 load(const void* p) {
+    return {_mm256_loadu_si256(static_cast<const __m256i*>(p)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const char*>(p) + 32))};
+  }
+};
+
+inline __m256i broadcast_x(const uint8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm256_set1_epi32(v);
+}
+
+struct YmmDot {
+  using Acc = Ymm2;
+  static Acc zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+  static Acc add(Acc a, Acc b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+  static Acc load(const void* p) { return Ymm2::load(p); }
+  static void store(void* p, Acc a) {
+    _mm256_storeu_si256(static_cast<__m256i*>(p), a.lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<char*>(p) + 32), a.hi);
+  }
+  static const uint8_t* at(const uint8_t* w, int64_t s) { return w + s * kUnitBytes; }
+};
+
+// W4A8 over ymm steps through a 64-byte block at once, its two units (low nibbles, high ones) times x's 8 bytes.
+struct NibbleUnits {
+  Ymm2 low, high;
+  static NibbleUnits of(const uint8_t* w) {
+    const Ymm2 bytes = Ymm2::load(w);
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    return {{_mm256_and_si256(bytes.lo, mask), _mm256_and_si256(bytes.hi, mask)},
+            {_mm256_and_si256(_mm256_srli_epi16(bytes.lo, 4), mask),
+             _mm256_and_si256(_mm256_srli_epi16(bytes.hi, 4), mask)}};
+  }
+};
+
+#if defined(__AVXVNNI__)
+// AVX-VNNI: vpdpbusd over ymm, the AVX-512 path's arithmetic in two instructions per unit.
+struct U8S8Dot : YmmDot {
+  using Unit = Ymm2;
+  static constexpr int kXBytes = 4, kUnits = 1;
+  static constexpr int64_t kTileRows = 6;  // 12 sums + a unit + a broadcast of 16 registers
+  static constexpr int kSplit[4] = {4, 2, 1, 1};
+  static constexpr int32_t kOffset = 128;
+  static Unit unit(const uint8_t* w, int64_t s) { return Ymm2::load(at(w, s)); }
+  static Acc dot(Acc acc, const uint8_t* x, Unit w) {
+    const __m256i xb = broadcast_x(x);
+    return {_mm256_dpbusd_avx_epi32(acc.lo, w.lo, xb), _mm256_dpbusd_avx_epi32(acc.hi, w.hi, xb)};
+  }
+};
+
+struct U4S8Dot : YmmDot {
+  using Unit = NibbleUnits;
+  static constexpr int kXBytes = 8, kUnits = 2;
+  static constexpr int64_t kTileRows = 4;  // 8 sums + two units + two broadcasts
+  static constexpr int kSplit[4] = {4, 2, 1, 1};
+  static Unit unit(const uint8_t* w, int64_t s) { return NibbleUnits::of(at(w, s)); }
+  static Acc dot(Acc acc, const uint8_t* x, const Unit& w) {
+    const __m256i x0 = broadcast_x(x), x1 = broadcast_x(x + 4);
+    return {_mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc.lo, w.low.lo, x0), w.high.lo, x1),
+            _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc.hi, w.low.hi, x0), w.high.hi, x1)};
+  }
+};
+#else
+// AVX2 alone: vpmaddubsw (unsigned bytes times signed ones, each pair of products added into an int16 lane)
+// and vpmaddwd by 1 (pairs of those into int32). vpmaddubsw saturates: the stored q + 128 (up to 255) times x
+// (up to 127 in magnitude) overflows int16 in two products. It multiplies |q| (up to 128, unsigned) by x with
+// q's signs (vpsignb; x is never -128, so negating it is exact) instead: a pair at most 2 * 128 * 127 = 32512
+// in magnitude. (|x| times q with x's signs would not do: vpsignb cannot negate q = -128, which int8
+// checkpoints hold.) q itself is the stored byte with its top bit flipped (q + 128 mod 256): nothing to take off.
+struct U8S8Dot : YmmDot {
+  struct Unit {
+    Ymm2 q, magnitudes;
+  };
+  static constexpr int kXBytes = 4, kUnits = 1;
+  static constexpr int64_t kTileRows = 3;  // 6 sums + a unit (4) + ...: 1.1x 5 rows, whose sums GCC spilled
+  static constexpr int kSplit[4] = {2, 1, 1, 1};  // a sum's chain is one vpaddd
+  static constexpr int32_t kOffset = 0;
+  static Unit unit(const uint8_t* w, int64_t s) {
+    const Ymm2 stored = Ymm2::load(at(w, s));
+    const __m256i top = _mm256_set1_epi8(static_cast<char>(0x80));
+    const __m256i lo = _mm256_xor_si256(stored.lo, top), hi = _mm256_xor_si256(stored.hi, top);
+    return {{lo, hi}, {_mm256_abs_epi8(lo), _mm256_abs_epi8(hi)}};
+  }
+  static __m256i product(__m256i magnitudes, __m256i q, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(x, q)), _mm256_set1_epi16(1));
+  }
+  static Acc dot(Acc acc, const uint8_t* x, const Unit& w) {
+    const __m256i xb = broadcast_x(x);
+    return {_mm256_add_epi32(acc.lo, product(w.magnitudes.lo, w.q.lo, xb)),
+            _mm256_add_epi32(acc.hi, product(w.magnitudes.hi, w.q.hi, xb))};
+  }
+};
+
+// The nibbles (q + 8, at most 15) are vpmaddubsw's unsigned operand as they are: a pair of products is at
+// most 3810 in magnitude, the two units' pairs together 7620, and both go through one vpmaddwd.
+struct U4S8Dot : YmmDot {
+  using Unit = NibbleUnits;
+  static constexpr int kXBytes = 8, kUnits = 2;
+  static constexpr int64_t kTileRows = 3;  // 6 sums + two units + two broadcasts + ones + a product
+  static constexpr int kSplit[4] = {2, 1, 1, 1};
+  static Unit unit(const uint8_t* w, int64_t s) { return NibbleUnits::of(at(w, s)); }
+  static __m256i product(__m256i low, __m256i high, __m256i x0, __m256i x1) {
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, x0), _mm256_maddubs_epi16(high, x1));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  }
+  static Acc dot(Acc acc, const uint8_t* x, const Unit& w) {
+    const __m256i x0 = broadcast_x(x), x1 = broadcast_x(x + 4);
+    return {_mm256_add_epi32(acc.lo, product(w.low.lo, w.high.lo, x0, x1)),
+            _mm256_add_epi32(acc.hi, product(w.low.hi, w.high.hi, x0, x1))};
+  }
+};
+#endif
 #endif
 
-// tiles[MB][16] (+)= MB rows of x times units [u0, u1) of a panel. x: row-major 4-byte units (row m's unit u at
-// x + 4 (m * units + u)), or, when PACKED, the tile's rows interleaved (at x + 4 (u * MB + m)): rows of x a
-// power of two apart (4 KiB, 8 KiB) fall in one set of L1, which holds 8 lines; a tile's 12 rows then missed
-// L1 (vdpbf16ps at 0.6x oneDNN's rate; interleaved, level). SPLIT independent sums per row for few rows, where
-// one chain would wait on each instruction's latency. `stream`: the panel comes from memory: prefetch ahead.
+// tiles[MB][16] (+)= MB rows of x times steps [u0, u1) of a panel. x: row-major steps of Dot::kXBytes (row m's
+// step u at x + kXBytes (m * units + u)), or, when PACKED, the tile's rows interleaved (at x + kXBytes (u * MB +
+// m)): rows of x a power of two apart (4 KiB, 8 KiB) fall in one set of L1, which holds 8 lines; a tile's 12
+// rows then missed L1 (vdpbf16ps at 0.6x oneDNN's rate; interleaved, level). SPLIT independent sums per row for
+// few rows, where one chain would wait on each instruction's latency. `stream`: the panel comes from memory:
+// prefetch ahead.
 template <typename Dot, int MB, int SPLIT, bool PACKED>
 void dot_tile(const uint8_t* x, int64_t units, int64_t u0, int64_t u1, const uint8_t* w, void* tiles, bool first,
               bool stream) {
-  const auto x_unit = [&](int m, int64_t u) { return x + 4 * (PACKED ? u * MB + m : m * units + u); };
+  const auto x_unit = [&](int m, int64_t u) { return x + Dot::kXBytes * (PACKED ? u * MB + m : m * units + u); };
   typename Dot::Acc acc[SPLIT][MB];
   PAGEDSERVE_UNROLL for (int s = 0; s < SPLIT; ++s)
     PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) acc[s][m] = Dot::zero();
@@ -428,12 +572,12 @@ void dot_tile(const uint8_t* x, int64_t units, int64_t u0, int64_t u1, const uin
   for (; u + SPLIT <= u1; u += SPLIT) {
     PAGEDSERVE_UNROLL for (int s = 0; s < SPLIT; ++s) {
       if (stream) _mm_prefetch(reinterpret_cast<const char*>(Dot::at(w, u + s)) + kPrefetchBytes, _MM_HINT_T0);
-      const __m512i units_of_w = Dot::unit(w, u + s);
+      const typename Dot::Unit units_of_w = Dot::unit(w, u + s);
       PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) acc[s][m] = Dot::dot(acc[s][m], x_unit(m, u + s), units_of_w);
     }
   }
   for (; u < u1; ++u) {
-    const __m512i units_of_w = Dot::unit(w, u);
+    const typename Dot::Unit units_of_w = Dot::unit(w, u);
     PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) acc[0][m] = Dot::dot(acc[0][m], x_unit(m, u), units_of_w);
   }
   char* t = static_cast<char*>(tiles);
@@ -445,44 +589,65 @@ void dot_tile(const uint8_t* x, int64_t units, int64_t u0, int64_t u1, const uin
   }
 }
 
-// x [M, units] in 4-byte units, rearranged for PACKED dot tiles: each tile of kDotTileRows rows (the last: the
-// rest) interleaved, unit by unit, at its first row's offset.
-std::vector<int32_t> pack_x_tiles(const uint8_t* x, int64_t M, int64_t units) {
-  std::vector<int32_t> packed(M * units);
-  at::parallel_for(0, (M + kDotTileRows - 1) / kDotTileRows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = begin * kDotTileRows; m0 < std::min(M, end * kDotTileRows); m0 += kDotTileRows) {
-      const int64_t rows = std::min(kDotTileRows, M - m0);
+// x [M, units] in kBytes-byte steps, rearranged for PACKED dot tiles: each tile of `tile_rows` rows (the last:
+// the rest) interleaved, step by step, at its first row's offset.
+template <int kBytes>
+std::vector<uint8_t> pack_x_tiles(const uint8_t* x, int64_t M, int64_t units, int64_t tile_rows) {
+  std::vector<uint8_t> packed(M * units * kBytes);
+  at::parallel_for(0, (M + tile_rows - 1) / tile_rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = begin * tile_rows; m0 < std::min(M, end * tile_rows); m0 += tile_rows) {
+      const int64_t rows = std::min(tile_rows, M - m0);
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t u = 0; u < units; ++u)
-          std::memcpy(&packed[m0 * units + u * rows + r], x + 4 * ((m0 + r) * units + u), 4);
+          std::memcpy(&packed[kBytes * (m0 * units + u * rows + r)], x + kBytes * ((m0 + r) * units + u), kBytes);
     }
   });
   return packed;
 }
 
-// tiles [M][16] = every row of x times a panel of `units` units: up to 4 rows straight through the panel (bound
-// by its bytes; x row-major), more in tiles of kDotTileRows rows (x from pack_x_tiles) over chunks of
-// kChunkUnits units that stay in L1.
+// x [M, units] as the dot tiles read it: row-major for up to kDirectRows rows, else packed (into `packed`).
+template <typename Dot>
+const uint8_t* x_for_tiles(const uint8_t* x, int64_t M, int64_t units, std::vector<uint8_t>& packed) {
+  if (M <= kDirectRows) return x;
+  packed = pack_x_tiles<Dot::kXBytes>(x, M, units, Dot::kTileRows);
+  return packed.data();
+}
+
+// tiles [M][16] = M (<= kDirectRows) rows of x (row-major) times steps [u0, u1) of a panel, straight through
+// it from memory (bound by its bytes).
+template <typename Dot>
+void direct_dot(const uint8_t* x, int64_t M, int64_t units, int64_t u0, int64_t u1, const uint8_t* w, void* tiles) {
+  switch (M) {
+    case 1: return dot_tile<Dot, 1, Dot::kSplit[0], false>(x, units, u0, u1, w, tiles, true, true);
+    case 2: return dot_tile<Dot, 2, Dot::kSplit[1], false>(x, units, u0, u1, w, tiles, true, true);
+    case 3: return dot_tile<Dot, 3, Dot::kSplit[2], false>(x, units, u0, u1, w, tiles, true, true);
+    case 4: return dot_tile<Dot, 4, Dot::kSplit[3], false>(x, units, u0, u1, w, tiles, true, true);
+  }
+}
+
+// tiles [M][16] (+)= every row of x (packed) times steps [u0, u1) of a panel, in tiles of Dot::kTileRows rows
+// (the first prefetching ahead when `stream`).
+template <typename Dot>
+void dot_tiles(const uint8_t* x, int64_t M, int64_t units, int64_t u0, int64_t u1, const uint8_t* w, void* tiles,
+               bool first, bool stream) {
+  constexpr int64_t kRows = Dot::kTileRows;
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows, stream = false)
+    dot_tile<Dot, kRows, 1, true>(x + Dot::kXBytes * m * units, units, u0, u1, w,
+                                  static_cast<char*>(tiles) + m * kUnitBytes, first, stream);
+  pagedserve::with_rows<kRows - 1>(static_cast<int>(M - m), [&](auto rows) {
+    dot_tile<Dot, decltype(rows)::value, 1, true>(x + Dot::kXBytes * m * units, units, u0, u1, w,
+                                                  static_cast<char*>(tiles) + m * kUnitBytes, first, stream);
+  });
+}
+
+// tiles [M][16] = every row of x (x_for_tiles) times a panel of `units` steps: up to 4 rows straight through the
+// panel, more in tiles over chunks of kChunkUnits steps that stay in L1.
 template <typename Dot>
 void dot_panel(const uint8_t* x, int64_t M, int64_t units, const uint8_t* w, void* tiles) {
-  switch (M) {
-    case 1: return dot_tile<Dot, 1, 4, false>(x, units, 0, units, w, tiles, true, true);
-    case 2: return dot_tile<Dot, 2, 2, false>(x, units, 0, units, w, tiles, true, true);
-    case 3: return dot_tile<Dot, 3, 2, false>(x, units, 0, units, w, tiles, true, true);
-    case 4: return dot_tile<Dot, 4, 1, false>(x, units, 0, units, w, tiles, true, true);
-  }
-  for (int64_t c = 0; c < units; c += kChunkUnits) {
-    const int64_t end = std::min(units, c + kChunkUnits);
-    bool stream = true;
-    int64_t m = 0;
-    for (; m + kDotTileRows <= M; m += kDotTileRows, stream = false)
-      dot_tile<Dot, kDotTileRows, 1, true>(x + 4 * m * units, units, c, end, w,
-                                           static_cast<char*>(tiles) + m * kUnitBytes, c == 0, stream);
-    pagedserve::with_rows<kDotTileRows - 1>(static_cast<int>(M - m), [&](auto rows) {
-      dot_tile<Dot, decltype(rows)::value, 1, true>(x + 4 * m * units, units, c, end, w,
-                                                    static_cast<char*>(tiles) + m * kUnitBytes, c == 0, stream);
-    });
-  }
+  if (M <= kDirectRows) return direct_dot<Dot>(x, M, units, 0, units, w, tiles);
+  for (int64_t c = 0; c < units; c += kChunkUnits)
+    dot_tiles<Dot>(x, M, units, c, std::min(units, c + kChunkUnits), w, tiles, c == 0, true);
 }
 #endif
 
@@ -642,12 +807,8 @@ void bfloat16_linear(at::Tensor out, at::Tensor x, at::Tensor weight, std::optio
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
 #if defined(__AVX512BF16__)
-  std::vector<int32_t> packed;
-  const uint8_t* x_units = reinterpret_cast<const uint8_t*>(xp);
-  if (M > kDirectRows) {
-    packed = pack_x_tiles(x_units, M, K / 2);
-    x_units = reinterpret_cast<const uint8_t*>(packed.data());
-  }
+  std::vector<uint8_t> packed;
+  const uint8_t* x_units = x_for_tiles<Bf16Dot>(reinterpret_cast<const uint8_t*>(xp), M, K / 2, packed);
 #else
   std::vector<float> widened(M * K);  // x in float32 for the widening paths
   for (int64_t i = 0; i < M * K; ++i) widened[i] = bf16_to_float(xp[i]);
@@ -684,7 +845,7 @@ float quantize_row(const float* x, int64_t K, int64_t K4, int8_t* bytes, int32_t
 // out[m, n] = sx[m] * scales[n] * sum_k xq[m, k] * q[n, k]: x float32 [M, K] quantized per row (quantize_row),
 // weight q + 128 as uint8 in [P, K4 / 4, 16, 4] panels, scales float32 [N]. vpdpbusd multiplies unsigned bytes
 // (the weights) by signed ones (x, broadcast from memory, which must be the signed operand): the sum it makes
-// is sum_k (q + 128) xq, and 128 sum_k xq is taken off.
+// is sum_k (q + 128) xq, and 128 sum_k xq (U8S8Dot::kOffset: 0 for AVX2's, which multiplies q) is taken off.
 void w8a8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor scales, std::optional<at::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kByte, "x: float32; weight: uint8");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "inputs must be contiguous");
@@ -703,20 +864,19 @@ void w8a8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor sca
     for (int64_t m = begin; m < end; ++m)
       row_scales[m] = quantize_row(xp + m * K, K, K4, bytes.data() + m * K4, row_sums[m]);
   });
-#if defined(__AVX512VNNI__)
-  std::vector<int32_t> packed;
-  const uint8_t* x_units = reinterpret_cast<const uint8_t*>(bytes.data());
-  if (M > kDirectRows) {
-    packed = pack_x_tiles(x_units, M, K4 / 4);
-    x_units = reinterpret_cast<const uint8_t*>(packed.data());
-  }
+#if defined(PAGEDSERVE_INT8_DOT)
+  std::vector<uint8_t> packed;
+  const uint8_t* x_units = x_for_tiles<U8S8Dot>(reinterpret_cast<const uint8_t*>(bytes.data()), M, K4 / 4, packed);
+  constexpr int32_t offset = U8S8Dot::kOffset;
+#else
+  constexpr int32_t offset = 128;
 #endif
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   run_panels(M, output, nullptr, nullptr, 1, [&](const Panel& panel, float* tiles, float*) {
     const uint8_t* w = wp + panel.index * K4 * kPanel;
     int32_t* sums_of_products = reinterpret_cast<int32_t*>(tiles);  // the tiles' own memory, 4 bytes a lane
-#if defined(__AVX512VNNI__)
+#if defined(PAGEDSERVE_INT8_DOT)
     dot_panel<U8S8Dot>(x_units, M, K4 / 4, w, sums_of_products);
 #else
     std::fill(sums_of_products, sums_of_products + M * kPanel, 0);
@@ -730,7 +890,7 @@ void w8a8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor sca
     for (int64_t m = 0; m < M; ++m)
       for (int64_t j = 0; j < panel.rows; ++j) {
         const int64_t n = panel.index * kPanel + j;
-        const int32_t exact = sums_of_products[m * kPanel + j] - 128 * row_sums[m];
+        const int32_t exact = sums_of_products[m * kPanel + j] - offset * row_sums[m];
         tiles[m * kPanel + j] = static_cast<float>(exact) * row_scales[m] * sp[n];
       }
   });
@@ -766,39 +926,35 @@ void w4a8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor sca
   });
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
-  const int64_t units = K / 4, group_units = group / 4;
-#if defined(__AVX512VNNI__)
-  std::vector<int32_t> packed;
-  const uint8_t* x_units = reinterpret_cast<const uint8_t*>(bytes.data());
-  if (M > kDirectRows) {
-    packed = pack_x_tiles(x_units, M, units);
-    x_units = reinterpret_cast<const uint8_t*>(packed.data());
-  }
+#if defined(PAGEDSERVE_INT8_DOT)
+  const int64_t steps = K / 4 / U4S8Dot::kUnits, group_steps = group / 4 / U4S8Dot::kUnits;
+  std::vector<uint8_t> packed;
+  const uint8_t* x_units = x_for_tiles<U4S8Dot>(reinterpret_cast<const uint8_t*>(bytes.data()), M, steps, packed);
 #endif
   run_panels(M, output, nullptr, nullptr, 1, [&](const Panel& panel, float* tiles, float*) {
     const uint8_t* w = wp + panel.index * K * kPanel / 2;
-    std::vector<int32_t> sums(M * kPanel);
+    std::vector<int32_t> sums(M * kPanel);  // per group: sum_k xq (q + 8)
     std::fill(tiles, tiles + M * kPanel, 0.f);
     for (int64_t g = 0; g < groups; ++g) {
       const float* group_scales = sp + (panel.index * groups + g) * kPanel;
-      const int64_t u0 = g * group_units, u1 = u0 + group_units;
-#if defined(__AVX512VNNI__)
-      switch (M) {
-        case 1: dot_tile<U4S8Dot, 1, 4, false>(x_units, units, u0, u1, w, sums.data(), true, true); break;
-        case 2: dot_tile<U4S8Dot, 2, 2, false>(x_units, units, u0, u1, w, sums.data(), true, true); break;
-        case 3: dot_tile<U4S8Dot, 3, 2, false>(x_units, units, u0, u1, w, sums.data(), true, true); break;
-        case 4: dot_tile<U4S8Dot, 4, 1, false>(x_units, units, u0, u1, w, sums.data(), true, true); break;
-        default: {
-          int64_t m = 0;
-          for (; m + kDotTileRows <= M; m += kDotTileRows)
-            dot_tile<U4S8Dot, kDotTileRows, 1, true>(x_units + 4 * m * units, units, u0, u1, w,
-                                                     sums.data() + m * kPanel, true, m == 0);
-          pagedserve::with_rows<kDotTileRows - 1>(static_cast<int>(M - m), [&](auto rows) {
-            dot_tile<U4S8Dot, decltype(rows)::value, 1, true>(x_units + 4 * m * units, units, u0, u1, w,
-                                                              sums.data() + m * kPanel, true, m == 0);
-          });
+#if defined(PAGEDSERVE_INT8_DOT)
+      const int64_t s0 = g * group_steps, s1 = s0 + group_steps;
+      if (M <= kDirectRows)
+        direct_dot<U4S8Dot>(x_units, M, steps, s0, s1, w, sums.data());
+      else
+        dot_tiles<U4S8Dot>(x_units, M, steps, s0, s1, w, sums.data(), true, true);
+#else
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < kPanel; ++j) {
+          int32_t sum = 0;
+          for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+            const uint8_t byte = w[(k / 8) * kUnitBytes + 4 * j + k % 4];
+            sum += bytes[m * K + k] * (k % 8 < 4 ? byte & 0x0F : byte >> 4);
+          }
+          sums[m * kPanel + j] = sum;
         }
-      }
+#endif
+#if defined(__AVX512VNNI__)
       for (int64_t m = 0; m < M; ++m) {
         const __m512i exact = _mm512_sub_epi32(_mm512_loadu_si512(sums.data() + m * kPanel),
                                                _mm512_set1_epi32(8 * group_sums[m * groups + g]));
@@ -809,11 +965,7 @@ void w4a8_linear(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor sca
 #else
       for (int64_t m = 0; m < M; ++m)
         for (int64_t j = 0; j < kPanel; ++j) {
-          int32_t exact = 0;
-          for (int64_t k = g * group; k < (g + 1) * group; ++k) {
-            const uint8_t byte = w[(k / 8) * kUnitBytes + 4 * j + k % 4];
-            exact += bytes[m * K + k] * ((k % 8 < 4 ? byte & 0x0F : byte >> 4) - 8);
-          }
+          const int32_t exact = sums[m * kPanel + j] - 8 * group_sums[m * groups + g];
           tiles[m * kPanel + j] += static_cast<float>(exact) * group_scales[j];
         }
 #endif

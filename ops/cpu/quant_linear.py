@@ -75,7 +75,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, params: torch.Tensor, gro
 
 
 def pack_w8a8(q: torch.Tensor) -> torch.Tensor:
-    """q [N, K] with values in [-127, 127] -> uint8 [ceil(N / 16), ceil(K / 4), 16, 4]: q + 128 in
+    """q [N, K] with values in [-128, 127] -> uint8 [ceil(N / 16), ceil(K / 4), 16, 4]: q + 128 in
     panel_linear.cpp's W8A8 layout."""
     return to_unit_panels((q.to(torch.int16) + 128).to(torch.uint8), 4)
 
