@@ -282,7 +282,8 @@ def main() -> None:
             rows.append({"system": f"vLLM CPU {vllm_cpu.VLLM_CPU_VERSION} offline `LLM.generate`", "load": burst,
                          "throughput": result.tokens_per_s, "offline": True})
         name = f"vLLM CPU {vllm_cpu.VLLM_CPU_VERSION} server"
-        with vllm_cpu.serve(hf_dir, args.port + 1, ("--max-num-seqs", str(max(args.burst, 128))),
+        # --dtype: vLLM's "auto" serves a float32 checkpoint in bfloat16 on CPUs that have it; ours is float32.
+        with vllm_cpu.serve(hf_dir, args.port + 1, ("--max-num-seqs", str(max(args.burst, 128)), "--dtype", "float32"),
                             kv_cache_gb=2, threads=args.threads) as server:
             send = lambda c, p, m: send_openai(c, server.url, str(hf_dir), p, m)  # noqa: E731
             if args.idle_prompts:
