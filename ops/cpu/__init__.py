@@ -75,13 +75,20 @@ def _build_signature() -> str:
     # folder in turn, each rebuilding it under the lock the other waits on.
     import torch
 
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
+    flags = " ".join(sorted(cpu_flags())) or platform.processor()
     headers = b"".join(h.read_bytes() for h in _HEADERS)
     where = f"{Path(__file__).resolve().parent} {Path(torch.__file__).resolve().parent}"
     return hashlib.sha256(f"{platform.machine()} {flags} {_EXTRA_CFLAGS} {where}".encode() + headers).hexdigest()[:10]
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo's first `flags` line; empty where there is none)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    return frozenset(next((line for line in lines if line.startswith("flags")), "").split()[2:])
 
 
 @functools.cache

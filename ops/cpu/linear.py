@@ -3,8 +3,8 @@
 float32 weights are repacked once into panels (`to_panels`) and multiplied by panel_linear.cpp: on our
 2-core AVX2 machines it ran 1.1-1.4x oneDNN's prepacked matmul from 1 to 64 rows of x (decode batches) and
 1.2x at prefill sizes. bfloat16 weights go into panels of column pairs (`to_unit_panels`) where the CPU has
-AVX512_BF16 (vdpbf16ps; benchmarks/quantized.py measures it beside oneDNN's bfloat16), else are prepacked for
-oneDNN, as is float32 where no compiler built the kernels. Same math, same dtype: only the summation order
+AVX512_BF16 but not AMX (vdpbf16ps; benchmarks/quantized.py measures it beside oneDNN's bfloat16), else are
+prepacked for oneDNN, as is float32 where no compiler built the kernels. Same math, same dtype: only the summation order
 differs (bfloat16 products are exact in float32, and the sums are float32 in every path)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ops.cpu import KernelBuildError, linear_kernels_available, load_linear_kernels
+from ops.cpu import KernelBuildError, cpu_flags, linear_kernels_available, load_linear_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,14 @@ def instruction_sets() -> dict[str, bool]:
     return dict(kernels.instruction_sets()) if kernels else {"avx512_bf16": False, "avx512_vnni": False}
 
 
+@functools.cache
+def bfloat16_panels_preferred() -> bool:
+    """Whether bfloat16 weights go to our vdpbf16ps panels rather than to oneDNN: where the CPU has AVX512_BF16
+    but not AMX. With AMX tiles (Sapphire Rapids and later) oneDNN's bfloat16 matmul ran 2.4x / 5.8x / 10x our
+    panels at 16 / 64 / 256 rows of a 2048 x 1536 layer (0.82x at 1 row; benchmarks/quantized.py's rates)."""
+    return instruction_sets()["avx512_bf16"] and "amx_bf16" not in cpu_flags()
+
+
 def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor:
     """`weight` [out, in] packed once for `packed_linear`: float32 panels or bfloat16 pair panels (when `out`
     fills them: the panels then say the output size), or oneDNN's blocked layout for batches of about
@@ -97,7 +105,7 @@ def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor:
         if out_features % PANEL == 0 and linear_kernels_available():
             if weight.dtype == torch.float32:
                 return to_panels(weight.detach())
-            if weight.dtype == torch.bfloat16 and in_features % 2 == 0 and instruction_sets()["avx512_bf16"]:
+            if weight.dtype == torch.bfloat16 and in_features % 2 == 0 and bfloat16_panels_preferred():
                 return to_unit_panels(weight.detach(), 2)
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
 

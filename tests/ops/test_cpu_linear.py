@@ -13,6 +13,7 @@ from ops.cpu import missing_toolchain
 from ops.cpu.linear import (
     EXACT_ROWS,
     bfloat16_linear,
+    bfloat16_panels_preferred,
     bucket_rows,
     from_unit_panels,
     instruction_sets,
@@ -68,11 +69,12 @@ def test_bfloat16_panels_sum_their_products_in_float32(rows, n, k):
     assert out.dtype == torch.bfloat16 and torch.equal(out[:, :n], sums.bfloat16())
 
 
-def test_bfloat16_weights_pack_into_pair_panels_where_the_cpu_has_avx512_bf16():
+def test_bfloat16_weights_pack_into_pair_panels_where_the_cpu_has_avx512_bf16_but_not_amx():
     if missing_toolchain() or not instruction_sets()["avx512_bf16"]:  # at run time: a broken build fails here
         pytest.skip("bfloat16 panels need AVX512_BF16 (else oneDNN)")
     torch.manual_seed(0)
     weight, bias, x = torch.randn(48, 300).bfloat16(), torch.randn(48).bfloat16(), torch.randn(5, 300).bfloat16()
     packed = pack_weight(weight, 16)
-    assert packed.dim() == 4 and pack_weight(weight[:40], 16).dim() == 2  # 40 rows: not whole panels, oneDNN
+    assert packed.dim() == (4 if bfloat16_panels_preferred() else 2)  # AMX: oneDNN's tiles
+    assert pack_weight(weight[:40], 16).dim() == 2  # 40 rows: not whole panels, oneDNN
     torch.testing.assert_close(packed_linear(x, packed, bias), F.linear(x, weight, bias), atol=0.05, rtol=0.02)
