@@ -20,40 +20,22 @@ import asyncio
 import time
 from pathlib import Path
 
-import psutil
-
 from benchmarks import serve_process
 from benchmarks.stream_client import http_client, run_open_loop, send_openai, summarize, uniform_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Process kinds by command line, first match wins: ours, then Ray's.
-KINDS = (("haproxy", "haproxy"), ("OpenAIIngress", "ingress"), ("IngressRouter", "ingress router"),
-         ("LLMServer", "engine replica"), ("ServeController", "serve controller"), ("ProxyActor", "proxy actor"),
-         ("gcs_server", "gcs"), ("raylet", "raylet"), ("DashboardAgent", "dashboard agent"),
-         ("dashboard/agent.py", "dashboard agent"), ("dashboard.py", "dashboard"),
-         ("runtime_env/agent", "runtime env agent"), ("log_monitor", "log monitor"), ("monitor.py", "monitor"))
+# Ray's processes by command line (ours are serve_process.role's: haproxy, ingress, replica, engine core).
+RAY_KINDS = (("IngressRouter", "ingress router"), ("ServeController", "serve controller"),
+             ("ProxyActor", "proxy actor"), ("gcs_server", "gcs"), ("raylet", "raylet"),
+             ("DashboardAgent", "dashboard agent"), ("dashboard/agent.py", "dashboard agent"),
+             ("dashboard.py", "dashboard"), ("runtime_env/agent", "runtime env agent"), ("log_monitor", "log monitor"),
+             ("monitor.py", "monitor"))
 
 
-def _kind(p: psutil.Process) -> str:
+def ray_kind(p) -> str:
     line = " ".join(p.cmdline())
-    kind = next((k for key, k in KINDS if key in line), None)
-    if kind == "engine replica" or (kind is None and any("LLMServer" in " ".join(a.cmdline()) for a in p.parents())):
-        # The engine process is the replica's descendant (through a fork server): its CPU is the engine's.
-        return "engine replica" if "LLMServer" in line else "engine core"
-    return kind or "other ray"
-
-
-def cpu_by_kind(app: serve_process.ServeApp) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for p in psutil.Process(app.process.pid).children(recursive=True):
-        try:
-            t = p.cpu_times()
-            kind = _kind(p)
-        except psutil.Error:
-            continue
-        total[kind] = total.get(kind, 0.0) + t.user + t.system
-    return total
+    return next((kind for key, kind in RAY_KINDS if key in line), "other ray")
 
 
 def _diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -71,9 +53,9 @@ def measure(name: str, config: dict, env: dict[str, str], args) -> dict:
 
         asyncio.run(warm_up())
         time.sleep(args.settle_s)  # the deploy's own churn (controller, health checks) dies down
-        before = cpu_by_kind(app)
+        before = app.cpu_seconds(ray_kind)
         time.sleep(args.idle_s)
-        idle = {k: v / args.idle_s for k, v in _diff(cpu_by_kind(app), before).items()}
+        idle = {k: v / args.idle_s for k, v in _diff(app.cpu_seconds(ray_kind), before).items()}
 
         requests = uniform_workload(args.requests, args.rate, args.seed)
 
@@ -81,9 +63,9 @@ def measure(name: str, config: dict, env: dict[str, str], args) -> dict:
             async with http_client(True) as client:
                 return await run_open_loop(requests, lambda p, m: send(client, p, m))
 
-        before = cpu_by_kind(app)
+        before = app.cpu_seconds(ray_kind)
         results, duration = asyncio.run(load())
-        used = _diff(cpu_by_kind(app), before)
+        used = _diff(app.cpu_seconds(ray_kind), before)
     row = summarize(name, results, duration)
     row["idle_cores"] = idle
     row["ms_per_request"] = {k: v / len(requests) * 1e3 for k, v in used.items()}

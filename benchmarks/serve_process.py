@@ -28,13 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 _ROLES = {"haproxy": "haproxy", "OpenAIIngress": "ingress", "LLMServer": "replica"}
 
 
-def _role(process) -> str | None:
+def role(process) -> str | None:
     """A process's role by its command line; the engine replica's descendants (its engine process, started
     through a fork server, and that server) are the engine core; None for Ray's own."""
-    role = next((r for key, r in _ROLES.items() if key in " ".join(process.cmdline())), None)
-    if role is None and any("LLMServer" in " ".join(a.cmdline()) for a in process.parents()):
-        role = "engine core"
-    return role
+    found = next((r for key, r in _ROLES.items() if key in " ".join(process.cmdline())), None)
+    if found is None and any("LLMServer" in " ".join(a.cmdline()) for a in process.parents()):
+        found = "engine core"
+    return found
 
 
 def load_config(path: str | Path) -> dict:
@@ -57,13 +57,14 @@ class ServeApp:
     url: str
     process: subprocess.Popen
     # A server that is not ours (vLLM's): the role of the process started (None: not counted, as `serve run`'s
-    # driver, which waits) and of everything it starts (None: by _role).
+    # driver, which waits) and of everything it starts (None: by `role`).
     root_role: str | None = None
     child_role: str | None = None
 
-    def cpu_seconds(self) -> dict[str, float]:
+    def cpu_seconds(self, role_of=None) -> dict[str, float]:
         """CPU time used so far by the app's processes, by role: haproxy, ingress, replica (the engine
-        replica's actor), engine core (its step-loop process), other (Ray's own: raylet, GCS, controller)."""
+        replica's actor), engine core (its step-loop process), other (Ray's own: raylet, GCS, controller);
+        `role_of(process)`: another split of the processes `role` leaves out (None: "other")."""
         import psutil
 
         total: dict[str, float] = {}
@@ -76,9 +77,9 @@ class ServeApp:
             procs.append((root, self.root_role))
         for p, known_role in procs:
             try:
-                role = known_role or _role(p) or "other"
+                kind = known_role or role(p) or (role_of(p) if role_of else None) or "other"
                 t = p.cpu_times()
-                total[role] = total.get(role, 0.0) + t.user + t.system
+                total[kind] = total.get(kind, 0.0) + t.user + t.system
             except psutil.Error:
                 pass
         return total
@@ -90,9 +91,9 @@ class ServeApp:
         out: dict[str, list[int]] = {}
         for p in psutil.Process(self.process.pid).children(recursive=True):
             try:
-                role = _role(p)
-                if role is not None:
-                    out.setdefault(role, []).append(p.pid)
+                kind = role(p)
+                if kind is not None:
+                    out.setdefault(kind, []).append(p.pid)
             except psutil.Error:
                 pass
         return out

@@ -20,7 +20,7 @@ from engine.core.prepared_request import PreparedRequest
 from engine.distributed.data_parallel import host_store
 from engine.errors import WorkerFailedError
 from engine.executor.multiproc import ProcessLauncher
-from engine.frontend.input_processor import InputProcessor
+from engine.frontend.input_processor import InputProcessor, PreparesRequests
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.processes import start_engine_process
 from engine.lora.request import LoRARequest
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 _PER_ENGINE = ("block_size", "kv_bytes_per_token")  # the same on every rank: not summed
 
 
-class DataParallelEngine:
+class DataParallelEngine(PreparesRequests):
     """Not thread-safe: one thread drives it (LLM's caller), as LLMEngine."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -98,15 +98,6 @@ class DataParallelEngine:
                 raise RuntimeError(f"data_parallel_size: a rank failed while loading: {failure}")
 
     # --- requests ----------------------------------------------------------------------------------------
-
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return self.input_processor.tokenize(prompt)
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
-        return self.input_processor.apply_chat_template(messages, add_generation_prompt, **kwargs)
-
-    def prepare_request(self, *args, **kwargs) -> PreparedRequest:
-        return self.input_processor.prepare_request(*args, **kwargs)
 
     def add_prepared(self, prepared: PreparedRequest, data_parallel_rank: int | None = None) -> int:
         """Send a prepared request to a DP rank (by default the least loaded); returns the rank."""

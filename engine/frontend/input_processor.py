@@ -229,3 +229,18 @@ class InputProcessor:
 
         return expand_images(token_ids, images, vision, self.model_path, self.config.mm_processor_kwargs,
                              self.processed_images)
+
+
+class PreparesRequests:
+    """The request-side calls an engine front end (LLMEngine, DataParallelEngine) forwards to its InputProcessor."""
+
+    input_processor: InputProcessor
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self.input_processor.tokenize(prompt)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        return self.input_processor.apply_chat_template(messages, add_generation_prompt, **kwargs)
+
+    def prepare_request(self, *args, **kwargs) -> PreparedRequest:
+        return self.input_processor.prepare_request(*args, **kwargs)

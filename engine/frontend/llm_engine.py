@@ -13,7 +13,7 @@ from engine.core.core_output import EngineCoreOutput
 from engine.core.engine_core import EngineCore
 from engine.core.prepared_request import PreparedRequest
 from engine.executor import Rendezvous
-from engine.frontend.input_processor import InputProcessor
+from engine.frontend.input_processor import InputProcessor, PreparesRequests
 from engine.frontend.output_processor import OutputProcessor
 from engine.lora.request import LoRARequest
 from engine.model_spec import ModelSpec
@@ -23,7 +23,7 @@ from engine.stats import EngineStats
 from engine.tokenizer import tokenizer_for
 
 
-class LLMEngine:
+class LLMEngine(PreparesRequests):
     """Not thread-safe: one thread drives it (LLM's caller); other threads
     may only call `prepare_request`, `tokenize` and `apply_chat_template`."""
 
@@ -43,15 +43,6 @@ class LLMEngine:
                                               spec.path)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.core = EngineCore(config, spec, self.tokenizer, rendezvous)
-
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return self.input_processor.tokenize(prompt)
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
-        return self.input_processor.apply_chat_template(messages, add_generation_prompt, **kwargs)
-
-    def prepare_request(self, *args, **kwargs) -> PreparedRequest:
-        return self.input_processor.prepare_request(*args, **kwargs)
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
         """Enqueue a prepared request; engine-thread only."""

@@ -12,21 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from ops.cpu import missing_toolchain
+from ops.cpu import cpu_flags, missing_toolchain
 
 ROOT = Path(__file__).parents[2]
 KERNEL_TESTS = ["tests/ops/test_quant_linear.py", "tests/ops/test_cpu_linear.py",
                 "tests/ops/test_elementwise.py", "tests/ops/test_torch_attention.py",
                 "tests/engine/models/test_moe.py::test_fused_moe_matches_a_per_token_reference"]
 AVX2 = "-mno-avx512f"
-
-
-def _has_avx512() -> bool:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return False
-    return "avx512f" in next((line for line in lines if line.startswith("flags")), "").split()
 
 
 def _defines_avx_vnni(flags: str) -> bool:
@@ -41,7 +33,7 @@ def _pytest(*args: str) -> list[str]:
     return [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *args]
 
 
-@pytest.mark.skipif(bool(missing_toolchain()) or not _has_avx512(), reason="no AVX-512 build to test beside")
+@pytest.mark.skipif(bool(missing_toolchain()) or "avx512f" not in cpu_flags(), reason="no AVX-512 build to test beside")
 def test_the_avx2_build_passes_every_kernels_tests():
     env = {**os.environ, "PAGEDSERVE_CPU_CFLAGS": AVX2}
     plain = None
