@@ -145,8 +145,9 @@ class TorchAttentionBackend(AttentionBackend):
             mask = self._decode_masks[sliding_window]
             if sinks is not None:  # the heads are (KV head, group) here
                 keys, values, mask = _with_sinks(keys, values, mask, sinks.view(1, self.num_kv_heads, self.group, 1))
+            # reshape, not view: CUDA's kernels may return the heads strided (the GPU check caught a view failing)
             out[:nd] = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
-                                                      scale=self.scale).view(nd, -1, self.head_dim)
+                                                      scale=self.scale).reshape(nd, -1, self.head_dim)
         for p, block_ids in zip(self._prefills, tables.prefill_block_ids):
             first_block, mask = p.windowed.get(sliding_window, (0, p.mask))
             keys, values = self._gather(kv_cache, block_ids[first_block:])
