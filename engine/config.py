@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -105,14 +105,14 @@ class EngineConfig(BaseModel):
         "replica its share of the cores: oversubscribed OpenMP threads spin against each other. Default: "
         "torch's own for one rank; the host's cores shared out among its ranks for several.",
     )
-    small_step_threads: int | None = Field(
+    small_step_threads: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
         None,
-        ge=1,
         description="CPU threads for steps of at most `small_step_max_tokens` tokens (None: num_threads), as "
         "llama.cpp's --threads beside --threads-batch. Such steps only stream the weights once, and a second "
         "thread speeds them up little (56M model, 2 cores: decode of 8 sequences 5.0 ms on 2 threads, 5.9 ms "
         "on 1) while it takes a core from everything else: in a server on few cores, the HTTP ingress and the "
-        "replica that stream tokens out. Steps with prefill tokens keep num_threads.",
+        "replica that stream tokens out. Steps with prefill tokens keep num_threads. `auto`: one thread fewer "
+        "than the rank's, a core left to the serving path (the serving app's default; the offline LLM's is None).",
     )
     small_step_max_tokens: int = Field(
         8, ge=1, description="The most tokens (sequences times tokens each) a step runs with small_step_threads."

@@ -24,16 +24,18 @@ logger = logging.getLogger(__name__)
 
 
 def build_app(args: AppArgs) -> Application:
+    direct = args.streams_directly(haproxy=RAY_SERVE_ENABLE_HA_PROXY)
     if args.disaggregation is None:
-        engine = _engine_deployment(args, "LLMServer", None, args.router, args.router_kwargs)
+        engine = _engine_deployment(args, "LLMServer", None, args.router, args.router_kwargs, direct=direct)
     else:
         # Decode-as-orchestrator (Ray Serve LLM 2.60's P/D shape): the ingress talks to the decode pool, routed
         # by load and KV usage; each decode replica asks the prefill pool, routed by our prefix router.
         prefill = _engine_deployment(args, "PrefillServer", "prefill", args.router, args.router_kwargs)
         engine = _engine_deployment(args, "DecodeServer", "decode", "prefix", {"affinity": False},
                                     prefill=prefill, pd_settings=args.pd_settings())
-    if args.direct_streaming:  # every engine replica is an ingress (EngineIngress)
-        if args.router == "prefix":  # HAProxy asks IngressRouter which replica takes each request
+    if direct:  # every engine replica is an ingress (EngineIngress)
+        # With the prefix router, HAProxy asks IngressRouter which replica takes each request (one replica: none).
+        if args.router == "prefix" and args.routes_replicas:
             if not RAY_SERVE_ENABLE_HA_PROXY:
                 raise ValueError("router: prefix with direct_streaming needs HAProxy in front (serve_app/serve_env.py, "
                                  "as `make run` sets it); set router: pow2, or direct_streaming: false")
@@ -45,12 +47,16 @@ def build_app(args: AppArgs) -> Application:
         engine, args.model_dump(exclude_unset=True))
 
 
-def _engine_deployment(args: AppArgs, name: str, role: str | None, router: str, router_kwargs: dict, **extra):
-    """An engine deployment (`role`: a disaggregation pool, None: the only one)."""
+def _engine_deployment(args: AppArgs, name: str, role: str | None, router: str, router_kwargs: dict,
+                       direct: bool = False, **extra):
+    """An engine deployment (`role`: a disaggregation pool, None: the only one); `direct`: its replicas serve
+    clients themselves (EngineIngress)."""
     engine_config = args.engine_config(role)
     check_engine_model(engine_config, f"{role} pool" if role else "engine")
     router_config = RequestRouterConfig()
-    if ROUTERS[router] is not None:
+    # One replica serving clients itself: nothing to route, and Serve refuses a custom router on a deployment
+    # HAProxy balances over (unless an ingress request router picks its replicas).
+    if ROUTERS[router] is not None and not (direct and not args.routes_replicas):
         kwargs = {"block_size": engine_config.block_size, **router_kwargs} if router == "prefix" else {}
         router_config = RequestRouterConfig(request_router_class=ROUTERS[router], request_router_kwargs=kwargs,
                                             request_routing_stats_period_s=1, request_routing_stats_timeout_s=5)
@@ -60,7 +66,7 @@ def _engine_deployment(args: AppArgs, name: str, role: str | None, router: str, 
     if "placement_group_bundles" in placement and args.placement_group_config.check_fits and ray.is_initialized():
         check_placement(placement["placement_group_bundles"], placement["placement_group_strategy"])
     worker_bundle = placement["placement_group_bundles"][-1] if "placement_group_bundles" in placement else None
-    if args.direct_streaming:
+    if direct:
         deployment, extra["args"] = EngineIngress, args.model_dump(exclude_unset=True)
         # Past max_queued_requests Serve answers direct HTTP requests itself: the status and Retry-After
         # OpenAIIngress gives when the engine replicas' queues are full (serve_app/errors.py).

@@ -105,13 +105,14 @@ class AppArgs(BaseModel):
     ingress_ray_actor_options: dict[str, Any] = Field(
         default_factory=lambda: {"num_cpus": 0}, description="Ray actor options of each ingress replica: e.g. "
         "`resources: {head_node: 1}` to keep the ingress off the nodes that come and go with the engine replicas.")
-    direct_streaming: bool = Field(
-        False, description="Each engine replica serves clients itself (HTTP and the DeploymentHandle API), with "
+    direct_streaming: bool | Literal["auto"] = Field(
+        "auto", description="Each engine replica serves clients itself (HTTP and the DeploymentHandle API), with "
         "no ingress deployment: a request and each stream message cross two processes fewer (Ray Serve LLM's direct "
         "streaming; serve_app/engine_ingress.py). With router pow2, HAProxy spreads HTTP requests over the replicas "
         "by least connections; with prefix, HAProxy asks an IngressRouter deployment where each goes "
         "(serve_app/routing/ingress_router.py; needs HAProxy, as `make run` serves). Not with round_robin, "
-        "disaggregation, ingress_replicas or runtime LoRA loading (each replica would keep its own registry).",
+        "disaggregation, ingress_replicas, ingress_ray_actor_options, data parallelism or runtime LoRA loading (each "
+        "replica would keep its own registry). `auto` (the default): on wherever it can be (`streams_directly`).",
     )
     max_ongoing_requests: int = Field(256, ge=1, description="Requests in flight per engine replica.")
     max_queued_requests: int = Field(
@@ -231,7 +232,7 @@ class AppArgs(BaseModel):
             raise ValueError(f"num_replicas: {self.num_replicas}, but the replicas of a data-parallel deployment are "
                              f"its engine.data_parallel_size={size} ranks; leave num_replicas out")
         for field in ("disaggregation", "direct_streaming"):
-            if getattr(self, field):
+            if getattr(self, field) not in (None, False, "auto"):
                 raise ValueError(f"{field}: not with engine.data_parallel_size > 1 yet")
         self.num_replicas = size
         return self
@@ -257,7 +258,7 @@ class AppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _check_direct_streaming(self) -> AppArgs:
-        if not self.direct_streaming:
+        if self.direct_streaming is not True:
             return self
         if self.router == "round_robin":  # Serve refuses a custom router on a deployment HAProxy balances over
             raise ValueError("router: round_robin is not offered with direct_streaming; set router: pow2 or prefix, "
@@ -304,9 +305,10 @@ class AppArgs(BaseModel):
         """The engine replicas' EngineConfig; with `role` ("prefill" | "decode"), that pool's: the pool's
         overrides, and its part in the KV transfer."""
         # Replicas run the engine loop in its own process unless told otherwise (engine/core/engine_loop.py: why), and
-        # a multi-rank engine's other ranks as Ray actors in the replica's placement group.
+        # a multi-rank engine's other ranks as Ray actors in the replica's placement group. Small decode steps leave
+        # a core to the serving path (EngineConfig.small_step_threads).
         defaults: dict[str, Any] = {"multiprocess": True, "collect_step_timings": self.tracing.detailed,
-                                  "enable_lora": self.serves_lora}
+                                  "enable_lora": self.serves_lora, "small_step_threads": "auto"}
         fields = dict(self.engine)
         if role is not None:
             fields.update(getattr(self.disaggregation, role).engine)
@@ -316,6 +318,21 @@ class AppArgs(BaseModel):
         if isinstance(ranks, int) and ranks > 1:
             defaults["distributed_executor_backend"] = "ray"
         return EngineConfig(model=self.model, **{**defaults, **fields})
+
+    @property
+    def routes_replicas(self) -> bool:
+        """Whether requests are routed among several engine replicas (not one fixed replica)."""
+        return self.disaggregation is not None or self.autoscaling_config is not None or self.num_replicas > 1
+
+    def streams_directly(self, haproxy: bool) -> bool:
+        """Whether the engine replicas serve clients themselves: direct_streaming, where `auto` turns it on unless
+        something here needs the ingress deployment (or, for the prefix router, HAProxy is not in front)."""
+        if self.direct_streaming != "auto":
+            return self.direct_streaming
+        return not (self.router == "round_robin" or (self.router == "prefix" and not haproxy and self.routes_replicas)
+                    or self.disaggregation is not None or self.allow_runtime_lora_updating
+                    or self.engine.get("data_parallel_size", 1) > 1
+                    or {"ingress_replicas", "ingress_ray_actor_options"} & self.model_fields_set)
 
     def pd_settings(self) -> dict[str, Any]:
         d = self.disaggregation

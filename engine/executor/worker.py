@@ -251,6 +251,8 @@ class Worker:
         small = self.config.small_step_threads
         if small is None or self.device.type != "cpu":
             return
+        if small == "auto":
+            small = max(1, self.threads - 1)
         threads = small if num_tokens <= self.config.small_step_max_tokens else self.threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)

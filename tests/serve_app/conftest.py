@@ -70,6 +70,9 @@ def deploy_app(ray_session):
     def deploy(name: str, route_prefix: str, **args) -> str:
         if name not in deployed or name not in serve.status().applications:  # new, or deleted by a test
             args.setdefault("engine", ENGINE)
+            # The suite's apps keep the ingress deployment unless a test asks for direct streaming (the default
+            # where it can be: test_direct_streaming.py serves it)
+            args.setdefault("direct_streaming", False)
             serve.run(build_app(AppArgs(**args)), name=name, route_prefix=route_prefix)
             deployed[name] = BASE_URL + route_prefix.rstrip("/")
         return deployed[name]

@@ -35,7 +35,7 @@ def test_config_is_valid(path):
         assert builder.__annotations__["args"] is AppArgs  # a class, not a string: Ray validates args with it
         names = {d.name for d in app.deployments}
         assert names <= {"LLMServer", "PrefillServer", "DecodeServer", "OpenAIIngress", "IngressRouter"}, names
-        assert not (args.direct_streaming and "OpenAIIngress" in names), (
+        assert not (args.streams_directly(haproxy=True) and "OpenAIIngress" in names), (
             "direct_streaming apps have no ingress deployment")
         assert args.engine_config().model == args.model
         build_app(args)  # checks the engine config against a model it can read here (the built-ins)
@@ -71,6 +71,20 @@ def test_bad_args_name_the_field():
         AppArgs.model_validate({"router": "random"})
     with pytest.raises(ValueError, match="num_replcas"):
         AppArgs.model_validate({"num_replcas": 2})
+
+
+def test_direct_streaming_is_on_wherever_it_can_be():
+    # `auto`: the engine replicas serve clients themselves unless something needs the ingress deployment.
+    assert AppArgs().streams_directly(haproxy=True) and AppArgs(num_replicas=2).streams_directly(haproxy=True)
+    assert AppArgs(router="pow2").streams_directly(haproxy=False)
+    assert not AppArgs(num_replicas=2).streams_directly(haproxy=False)  # the prefix router asks HAProxy's IngressRouter
+    assert AppArgs(num_replicas=1).streams_directly(haproxy=False)  # one replica: nothing to route
+    for needs_ingress in ({"router": "round_robin"}, {"ingress_replicas": 2}, {"ingress_ray_actor_options": {}},
+                          {"allow_runtime_lora_updating": True, "lora_root": "/tmp"},
+                          {"engine": {"data_parallel_size": 2}}, {"direct_streaming": False}):
+        assert not AppArgs(**needs_ingress).streams_directly(haproxy=True), needs_ingress
+    assert not AppArgs.model_validate(_args("pd.yaml")[0]["applications"][0]["args"]).streams_directly(haproxy=True)
+    assert AppArgs().engine_config().small_step_threads == "auto"  # and small steps leave a core to it
 
 
 def test_direct_streaming_refuses_what_it_cannot_serve():

@@ -133,3 +133,19 @@ def test_every_replica_continues_a_stored_response(direct_url, direct_engine):
     assert all(a - b >= 1 for a, b in zip(after, before)), (before, after)  # both replicas continued it
     assert all(r["status"] in ("completed", "incomplete") and r["previous_response_id"] == first["id"]
                and r["usage"]["input_tokens"] > exchange for r in answers)
+
+
+def test_one_replica_app_serves_clients_itself_by_default(deploy_app):
+    """The app as a user writes it (one replica, every serving setting the default: `direct_streaming: auto`,
+    the prefix router): behind HAProxy or Ray's proxy the engine replica serves clients itself, with nothing to
+    route (Serve refuses a custom router on a deployment HAProxy balances over)."""
+    from ray import serve
+
+    url = deploy_app("one", "/one", model="pagedserve-tiny", num_replicas=1, direct_streaming="auto")
+    try:
+        assert set(serve.status().applications["one"].deployments) == {"LLMServer"}
+        body = {"prompt": "One replica", "max_tokens": 4, "ignore_eos": True}
+        response = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+    finally:
+        serve.delete("one")

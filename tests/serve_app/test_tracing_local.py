@@ -46,7 +46,7 @@ def _traced_app():
     exporter = InMemorySpanExporter()
     tracing.setup_tracing(tracing.TracingConfig(record_content=False), {"test": "1"}, exporter=exporter)
     engine = {"max_model_len": 512, "num_kv_blocks": 128, "multiprocess": False}
-    app = build_app(AppArgs(num_replicas=1, engine=engine, tracing={"detailed": True}))
+    app = build_app(AppArgs(num_replicas=1, engine=engine, tracing={"detailed": True}, direct_streaming=False))
     handle = serve.run(app, _local_testing_mode=True)
     # The caller's own tracer: a different provider, as in a real client process.
     caller = TracerProvider()

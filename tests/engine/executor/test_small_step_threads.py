@@ -30,3 +30,10 @@ def test_without_small_step_threads_every_step_keeps_num_threads(restore_threads
     llm = LLM(TINY, max_model_len=256, num_threads=2)
     llm.generate(["short"], SamplingParams(max_tokens=3), use_tqdm=False)
     assert torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize(("num_threads", "small"), [(2, 1), (1, 1)])
+def test_auto_leaves_one_thread_to_the_serving_path(restore_threads, num_threads, small):
+    llm = LLM(TINY, max_model_len=256, num_threads=num_threads, small_step_threads="auto")
+    llm.generate(["short"], SamplingParams(max_tokens=3), use_tqdm=False)  # ends with a decode step of 1 token
+    assert torch.get_num_threads() == small
