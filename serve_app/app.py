@@ -56,7 +56,7 @@ def _engine_deployment(args: AppArgs, name: str, role: str | None, router: str, 
     router_config = RequestRouterConfig()
     # One replica serving clients itself: nothing to route, and Serve refuses a custom router on a deployment
     # HAProxy balances over (unless an ingress request router picks its replicas).
-    if ROUTERS[router] is not None and not (direct and not args.routes_replicas):
+    if ROUTERS[router] is not None and (args.routes_replicas or not direct):
         kwargs = {"block_size": engine_config.block_size, **router_kwargs} if router == "prefix" else {}
         router_config = RequestRouterConfig(request_router_class=ROUTERS[router], request_router_kwargs=kwargs,
                                             request_routing_stats_period_s=1, request_routing_stats_timeout_s=5)

@@ -231,8 +231,9 @@ class AppArgs(BaseModel):
         if "num_replicas" in self.model_fields_set and self.num_replicas != size:
             raise ValueError(f"num_replicas: {self.num_replicas}, but the replicas of a data-parallel deployment are "
                              f"its engine.data_parallel_size={size} ranks; leave num_replicas out")
-        for field in ("disaggregation", "direct_streaming"):
-            if getattr(self, field) not in (None, False, "auto"):
+        for field, refused in (("disaggregation", self.disaggregation is not None),
+                               ("direct_streaming", self.direct_streaming is True)):  # `auto` turns it off here
+            if refused:
                 raise ValueError(f"{field}: not with engine.data_parallel_size > 1 yet")
         self.num_replicas = size
         return self

@@ -85,6 +85,8 @@ class Worker:
                  groups: ParallelGroups | None = None) -> None:
         self.config, self.spec, self.device = config, spec, device
         self.threads = torch.get_num_threads()  # what the rank's process was given (threads_per_rank)
+        small = config.small_step_threads
+        self.small_step_threads = max(1, self.threads - 1) if small == "auto" else small
         self.groups = groups
         load_format = "safetensors" if config.load_format == "auto" else config.load_format
         if groups is None:
@@ -248,11 +250,9 @@ class Worker:
 
     def _set_threads(self, num_tokens: int) -> None:
         """small_step_threads for small steps, the rank's threads otherwise (EngineConfig says why)."""
-        small = self.config.small_step_threads
+        small = self.small_step_threads
         if small is None or self.device.type != "cpu":
             return
-        if small == "auto":
-            small = max(1, self.threads - 1)
         threads = small if num_tokens <= self.config.small_step_max_tokens else self.threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
