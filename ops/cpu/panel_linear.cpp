@@ -74,9 +74,13 @@ constexpr int64_t kTileRows = pagedserve::kVec16TileRows;  // rows of x per floa
 #endif
 constexpr int64_t kChunk = 256;       // input columns widened at a time: 16 KiB of float32, half of L1
 // Streaming a panel while doing little arithmetic per byte, the hardware prefetcher alone left these loops
-// reading DRAM at 8-15 GB/s; software prefetches this far ahead keep batch-1 decode at the bandwidth
-// (float32 panels read 64 bytes a column: 4 KiB ahead was 10% slower than 8; int8 and int4 were level).
+// reading DRAM at 8-15 GB/s; software prefetches this far ahead keep batch-1 decode at the bandwidth.
+// float32 panels prefetch 16 KiB ahead into L2: into L1, each core's few line-fill buffers held them at ~24-27
+// GB/s where a sum over memory reads 31-33 (2-core EPYC: float32 decode 1.19x / 1.12x at batch 1 / 16 on the
+// 56M model, 1.16x / 1.14x on the 600M). The others keep 8 KiB into L1: into L2, int8 at batch 1 on the 600M
+// model and bfloat16 at batch 1 ran slower.
 constexpr int64_t kPrefetchBytes = 8192;
+constexpr int64_t kFloat32PrefetchBytes = 16384;
 
 // One panel: its rows' scales and zeros per group as 16-wide vectors, 0 for the padding rows: params[g][0..15]
 // scales, params[g][16..31] zeros. int4 weights carry them in this layout (packed once, with the weight); int8
@@ -124,11 +128,12 @@ inline void store_tiles(const float* tiles, int64_t M, const Panel& panel, const
 #ifdef PAGEDSERVE_VEC16
 using pagedserve::Vec16;
 
-// Software prefetch kPrefetchBytes ahead of a panel's column k (columns `column_bytes` apart), once per cache
-// line when called for every `step`-th column.
+// Software prefetch kAhead bytes ahead of a panel's column k (columns `column_bytes` apart), once per cache line
+// when called for every `step`-th column. kLocality: __builtin_prefetch's (3: into L1, 2: into L2).
+template <int64_t kAhead = kPrefetchBytes, int kLocality = 3>
 inline void prefetch_ahead(const void* panel, int64_t k, int64_t column_bytes, int64_t step = 1) {
   if ((k * column_bytes) % 64 < step * column_bytes)
-    _mm_prefetch(static_cast<const char*>(panel) + k * column_bytes + kPrefetchBytes, _MM_HINT_T0);
+    __builtin_prefetch(static_cast<const char*>(panel) + k * column_bytes + kAhead, 0, kLocality);
 }
 
 // A panel's columns as 16 float32 lanes each: float32; int8 as integers; int4 as integers or dequantized.
@@ -138,7 +143,9 @@ struct Float32Columns {
   const float* w;
   Vec16 single(int64_t k) const { return Vec16::load(w + k * kPanel); }
   void pair(int64_t k, Vec16& a, Vec16& b) const { a = single(k), b = single(k + 1); }
-  void prefetch(int64_t k, int64_t step = 1) const { prefetch_ahead(w, k, kPanel * 4, step); }
+  void prefetch(int64_t k, int64_t step = 1) const {
+    prefetch_ahead<kFloat32PrefetchBytes, 2>(w, k, kPanel * 4, step);
+  }
 };
 
 struct Int8Columns {
