@@ -56,7 +56,7 @@ def panel_matmul(kernel: str, x: torch.Tensor, n: int, bias: torch.Tensor | None
     n output features: x in `x_dtype` inside, float32 sums (plus bias) rounded once to x's dtype, which the
     kernel writes itself (float32 or bfloat16). A decode step calls this for every layer: it does no more
     in Python than it must (about 5 us a call; the kernel of a small layer takes 3)."""
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a decode step's x is 2-D: no op to dispatch
     if x2.dtype != x_dtype:  # each no-op .to() / .contiguous() would still cost a microsecond or two
         x2 = x2.to(x_dtype)
     if not x2.is_contiguous():
@@ -72,7 +72,8 @@ def panel_matmul(kernel: str, x: torch.Tensor, n: int, bias: torch.Tensor | None
     else:
         for start in range(0, rows, ROW_BLOCK):
             run(out[start:start + ROW_BLOCK], x2[start:start + ROW_BLOCK], *weight, bias)
-    return (out if direct else out.to(x.dtype)).view(*x.shape[:-1], n)
+    out = out if direct else out.to(x.dtype)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
 def bfloat16_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
