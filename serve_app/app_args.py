@@ -264,11 +264,15 @@ class AppArgs(BaseModel):
         if self.router == "round_robin":  # Serve refuses a custom router on a deployment HAProxy balances over
             raise ValueError("router: round_robin is not offered with direct_streaming; set router: pow2 or prefix, "
                              "or direct_streaming: false")
-        for field in ("disaggregation", "ingress_replicas", "allow_runtime_lora_updating"):
-            if field in self.model_fields_set and getattr(self, field):
-                raise ValueError(f"{field}: not with direct_streaming (the engine replicas are the ingress); "
-                                 "set direct_streaming: false")
+        if fields := self._fields_needing_ingress():
+            raise ValueError(f"{fields[0]}: not with direct_streaming (the engine replicas are the ingress); "
+                             "set direct_streaming: false")
         return self
+
+    def _fields_needing_ingress(self) -> list[str]:
+        """The fields set here that need the ingress deployment: the engine replicas cannot serve clients."""
+        return [field for field in ("disaggregation", "ingress_replicas", "allow_runtime_lora_updating")
+                if field in self.model_fields_set and getattr(self, field)]
 
     @model_validator(mode="after")
     def _check_api_keys(self) -> AppArgs:
@@ -331,9 +335,8 @@ class AppArgs(BaseModel):
         if self.direct_streaming != "auto":
             return self.direct_streaming
         return not (self.router == "round_robin" or (self.router == "prefix" and not haproxy and self.routes_replicas)
-                    or self.disaggregation is not None or self.allow_runtime_lora_updating
-                    or self.engine.get("data_parallel_size", 1) > 1
-                    or {"ingress_replicas", "ingress_ray_actor_options"} & self.model_fields_set)
+                    or self._fields_needing_ingress() or self.engine.get("data_parallel_size", 1) > 1
+                    or "ingress_ray_actor_options" in self.model_fields_set)
 
     def pd_settings(self) -> dict[str, Any]:
         d = self.disaggregation
