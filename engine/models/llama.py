@@ -31,6 +31,7 @@ from engine.models.layers import (
 from engine.models.layers.linear import copy_checked
 from engine.models.layers.quantization import QuantizationConfig
 from ops.attention import AttentionBackend
+from ops.cpu import elementwise
 
 # What a pipeline stage hands the next one: (hidden states, residual).
 IntermediateTensors = tuple[torch.Tensor, torch.Tensor]
@@ -65,14 +66,15 @@ class Attention(nn.Module):
     norm_cls: type[nn.Module] = RMSNorm  # Gemma's differs
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        n, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = q.view(n, heads, d), k.view(n, kv_heads, d), v.view(n, kv_heads, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+            q, k = self.rope(positions, q, k)
+        else:  # q's heads then k's, side by side in qkv: rotated in place, together
+            self.rope.rotate_(positions, qkv[:, : self.q_size + self.kv_size].view(n, heads + kv_heads, d))
         out = backend.forward(q, k, v, self.kv_cache, self.sliding_window, self.sinks)
         return self.o_proj(out.view(n, self.q_size))
 
@@ -92,7 +94,10 @@ class MLP(nn.Module):
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu and elementwise.available(gate_up):
+            return self.down_proj(elementwise.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

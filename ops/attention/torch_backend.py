@@ -133,9 +133,13 @@ class TorchAttentionBackend(AttentionBackend):
         store_kv(kv_cache, k, v, tables.k_rows, tables.v_rows)
         out = torch.empty_like(q)
         nd = self._num_decodes
-        if nd and self._cpu_kernels is not None:
-            self._cpu_kernels.paged_decode_attention(out[:nd], q[:nd].contiguous(), kv_cache, tables.decode_tables,
-                                                     self._decode_lens, self.scale, sliding_window or 0,
+        if nd and self._cpu_kernels is not None:  # q may be a view of the QKV output: the kernel takes its stride
+            whole = nd == q.shape[0]  # a decode-only step: no slices to dispatch
+            if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
+                q = q.contiguous()
+            self._cpu_kernels.paged_decode_attention(out if whole else out[:nd], q if whole else q[:nd], kv_cache,
+                                                     tables.decode_tables, self._decode_lens, self.scale,
+                                                     sliding_window or 0,
                                                      self._no_sinks if sinks is None else sinks.float().contiguous())
         elif nd:
             keys, values = self._gather(kv_cache, tables.decode_block_ids)

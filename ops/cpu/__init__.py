@@ -31,7 +31,8 @@ _KERNELS = {
     "mixture-of-experts": ("pagedserve_moe_kernels", "fused_moe.cpp"),
     "elementwise (RMSNorm, rotary)": ("pagedserve_elementwise_kernels", "elementwise.cpp"),
 }
-_HEADERS = [Path(__file__).parent / h for h in ("work_sharing.h", "vec16.h")]  # torch keys a build by its sources only
+# torch keys a build by its sources only: the shared headers are part of our build signature
+_HEADERS = [Path(__file__).parent / h for h in ("work_sharing.h", "vec16.h", "fast_exp.h")]
 # Extra compiler flags, e.g. "-mno-avx512f" to build (and test) the AVX2 paths on an AVX-512 machine.
 _EXTRA_CFLAGS = os.environ.get("PAGEDSERVE_CPU_CFLAGS", "").split()
 

@@ -1,6 +1,6 @@
-"""RMSNorm and rotary embeddings on CPU through elementwise.cpp, one pass each. The layers (engine/models/
-layers) call these when `available(x)`, else their torch code, which stays the reference (GPU, other dtypes,
-no compiler)."""
+"""RMSNorm, rotary embeddings and SiLU-and-multiply on CPU through elementwise.cpp, one pass each. The layers
+(engine/models) call these when `available(x)`, else their torch code, which stays the reference (GPU, other
+dtypes, no compiler)."""
 
 from __future__ import annotations
 
@@ -27,11 +27,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out if residual is None else (out, summed)
 
 
-def rotary_neox(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [tokens, heads, head_dim] (any strides but the last) rotated, neox style; cos and sin
-    [max_position, head_dim / 2] float32."""
+def rotary_neox(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                in_place: bool = False) -> torch.Tensor:
+    """x [tokens, heads, head_dim] (any strides but the last) rotated, neox style, into a new tensor or, with
+    `in_place`, into x itself; cos and sin [max_position, head_dim / 2] float32."""
     if x.stride(-1) != 1:
+        if in_place:
+            raise ValueError("rotary_neox: in place needs x's head_dim contiguous")
         x = x.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype)
+    out = x if in_place else torch.empty(x.shape, dtype=x.dtype)
     load_elementwise_kernels().rotary_neox(out, x, positions.long().contiguous(), cos, sin)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2 I] = [gate, up] -> silu(gate) * up [..., I]."""
+    x = x.contiguous()
+    out = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=x.dtype)
+    load_elementwise_kernels().silu_and_mul(out, x)
     return out

@@ -26,33 +26,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "fast_exp.h"
 #include "work_sharing.h"
 
 namespace {
 
-// exp of softmax arguments (<= 0): Cephes' exp2f polynomial after reduction to 2^n * 2^f, |f| <= 1/2.
-// Unlike std::exp it vectorises; relative error ~2e-7.
-inline float softmax_exp(float x) {
-  x = std::max(x, -87.0f);
-  const float t = x * 1.44269504088896341f;
-  const float n = std::floor(t + 0.5f);
-  const float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 // kHeadDim > 0 fixes head_dim at compile time (vectors stay in registers); 0 reads it at run time.
 template <typename scalar_t, int kHeadDim>
-void decode(const scalar_t* q, const scalar_t* cache, const int32_t* block_tables, const int32_t* seq_lens,
+void decode(const scalar_t* q, int64_t q_stride, const scalar_t* cache, const int32_t* block_tables, const int32_t* seq_lens,
             scalar_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
             int64_t block_size, int64_t max_blocks, float scale, int64_t window, const float* sinks) {
   const int64_t group = num_heads / num_kv_heads, H = num_heads;
@@ -66,7 +47,7 @@ void decode(const scalar_t* q, const scalar_t* cache, const int32_t* block_table
       const int64_t seq = item / num_kv_heads, kv = item % num_kv_heads, h0 = kv * group;
       const int64_t len = seq_lens[seq];
       const int32_t* table = block_tables + seq * max_blocks;
-      for (int64_t i = 0; i < group * D; ++i) query[i] = static_cast<float>(q[(seq * H + h0) * D + i]) * scale;
+      for (int64_t i = 0; i < group * D; ++i) query[i] = static_cast<float>(q[seq * q_stride + h0 * D + i]) * scale;
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t g = 0; g < group; ++g) {
         row_max[g] = sinks != nullptr ? sinks[h0 + g] : -std::numeric_limits<float>::infinity();
@@ -102,11 +83,11 @@ void decode(const scalar_t* q, const scalar_t* cache, const int32_t* block_table
           float* s = scores.data() + g * block_size;
           float m = row_max[g];
           for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-          const float correction = softmax_exp(row_max[g] - m);
+          const float correction = pagedserve::fast_exp(row_max[g] - m);
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
           for (int64_t t = 0; t < n; ++t) {
-            s[t] = softmax_exp(s[t] - m);
+            s[t] = pagedserve::fast_exp(s[t] - m);
             sum += s[t];
           }
           row_sum[g] = row_sum[g] * correction + sum;
@@ -150,13 +131,16 @@ void decode(const scalar_t* q, const scalar_t* cache, const int32_t* block_table
 
 }  // namespace
 
-// out, q: [num_seqs, num_heads, head_dim]; cache: [num_blocks, 2, block_size, num_kv_heads, head_dim];
+// out, q: [num_seqs, num_heads, head_dim], q with any stride between sequences (a view of the fused QKV
+// output); cache: [num_blocks, 2, block_size, num_kv_heads, head_dim];
 // block_tables: int32 [num_seqs, max_blocks]; seq_lens: int32 [num_seqs], each >= 1.
 // window: a sliding-window layer's (the last `window` positions, the query's own included); 0 for none.
 // sinks: float32 [num_heads], each head's sink logit, or empty for none.
 void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor cache, at::Tensor block_tables,
                             at::Tensor seq_lens, double scale, int64_t window, at::Tensor sinks) {
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [num_seqs, num_heads, head_dim], "
+              "each sequence's heads contiguous");
+  TORCH_CHECK(out.is_contiguous() && cache.is_contiguous(), "out and cache must be contiguous");
   TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kInt, "block_tables: int32");
   TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.scalar_type() == at::kInt, "seq_lens: int32");
   TORCH_CHECK(cache.dim() == 5 && cache.size(1) == 2, "cache: [num_blocks, 2, block_size, kv_heads, head_dim]");
@@ -166,7 +150,7 @@ void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor cache, at::
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     auto run = [&](auto head_dim_tag) {
       decode<scalar_t, decltype(head_dim_tag)::value>(
-          q.data_ptr<scalar_t>(), cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
+          q.data_ptr<scalar_t>(), q.stride(0), cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
           seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), q.size(0), q.size(1), cache.size(3), q.size(2),
           cache.size(2), block_tables.size(1), static_cast<float>(scale), window, sink_logits);
     };

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.models.layers.norm import rms_norm as torch_rms_norm
 from engine.models.layers.rotary import RotaryEmbedding, rotate_neox
@@ -49,6 +50,38 @@ def test_rotary_on_a_view_of_the_fused_qkv(dtype, tokens):
     got_q, got_k = rope(positions, q, k)
     torch.testing.assert_close(got_q, rotate_neox(q, cos, sin), **TOLERANCE[dtype])
     torch.testing.assert_close(got_k, rotate_neox(k, cos, sin), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", ROWS)
+def test_rotary_in_place_turns_q_and_k_heads_of_the_fused_qkv_and_leaves_v(dtype, tokens):
+    rope = RotaryEmbedding(64, 4096, 500000.0, None)
+    qkv = torch.randn(tokens, (8 + 2 * 4) * 64, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    before = qkv.clone()
+    positions = torch.randint(0, 4096, (tokens,))
+    rope.rotate_(positions, qkv[:, : 12 * 64].view(tokens, 12, 64))  # what Attention.forward hands over
+    cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
+    want = rotate_neox(before[:, : 12 * 64].view(tokens, 12, 64), cos, sin)
+    torch.testing.assert_close(qkv[:, : 12 * 64].view(tokens, 12, 64), want, **TOLERANCE[dtype])
+    assert torch.equal(qkv[:, 12 * 64 :], before[:, 12 * 64 :])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", [1376, 37])  # 37: not a multiple of any vector width
+def test_silu_and_mul_matches_torch(dtype, rows, width):
+    g = torch.Generator().manual_seed(rows * width)
+    gate_up = (torch.randn(rows, 2 * width, generator=g) * 6).to(dtype)  # reaches where exp under- and overflows
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(elementwise.silu_and_mul(gate_up), F.silu(gate) * up, **TOLERANCE[dtype])
+
+
+def test_silu_and_mul_takes_leading_dims_and_refuses_an_odd_width():
+    x = torch.randn(2, 3, 10)
+    torch.testing.assert_close(elementwise.silu_and_mul(x), F.silu(x[..., :5]) * x[..., 5:], **TOLERANCE[torch.float32])
+    with pytest.raises(RuntimeError, match="silu_and_mul"):
+        elementwise.silu_and_mul(torch.randn(2, 9))
 
 
 def test_rotary_refuses_a_position_outside_its_tables():

@@ -89,15 +89,25 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (freqs.sin() * factor).to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.interleaved:
-            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-            return _rotate_pairs(q, cos, sin), _rotate_pairs(k, cos, sin)
-        if elementwise.available(q):
-            return (elementwise.rotary_neox(q, positions, self.cos, self.sin),
-                    elementwise.rotary_neox(k, positions, self.cos, self.sin))
-        cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
-        sin = self.sin[positions].unsqueeze(1)
-        return rotate_neox(q, cos, sin), rotate_neox(k, cos, sin)
+        return self.rotate(positions, q), self.rotate(positions, k)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [tokens, heads, head_dim] rotated into a new tensor."""
+        if self._on_kernel(positions, x):
+            return elementwise.rotary_neox(x, positions, self.cos, self.sin)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
+        return _rotate_pairs(x, cos, sin) if self.interleaved else rotate_neox(x, cos, sin)
+
+    def rotate_(self, positions: torch.Tensor, x: torch.Tensor) -> None:
+        """x [tokens, heads, head_dim] rotated in place: q's and k's heads, side by side in the fused QKV output,
+        turn in one kernel call (a decode step's dispatches are most of its cost at batch 1)."""
+        if self._on_kernel(positions, x) and x.stride(-1) == 1:
+            elementwise.rotary_neox(x, positions, self.cos, self.sin, in_place=True)
+        else:
+            x.copy_(self.rotate(positions, x))
+
+    def _on_kernel(self, positions: torch.Tensor, x: torch.Tensor) -> bool:
+        return not self.interleaved and positions.dim() == 1 and elementwise.available(x)
 
 
 class MRotaryEmbedding(RotaryEmbedding):
@@ -112,12 +122,12 @@ class MRotaryEmbedding(RotaryEmbedding):
         self.register_buffer("axis", torch.tensor(axis, device=self.cos.device), persistent=False)
         self.register_buffer("freq", torch.arange(len(axis), device=self.cos.device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if positions.dim() == 1:
-            return super().forward(positions, q, k)
+            return super().rotate(positions, x)
         index = positions[self.axis].T  # [tokens, head_dim / 2]: each frequency's position of each token
         cos, sin = self.cos[index, self.freq].unsqueeze(1), self.sin[index, self.freq].unsqueeze(1)
-        return rotate_neox(q, cos, sin), rotate_neox(k, cos, sin)
+        return rotate_neox(x, cos, sin)
 
 
 def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
