@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from engine.lora.peft import SHARED_EXPERT, LoRAAdapter
+from engine.models.layers.direct_call import DirectCall
 from engine.models.layers.linear import ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, RowParallelLinear
 from engine.models.llama import MLP
 
@@ -80,7 +81,7 @@ class LoRABatch:
         self.grid_mask = torch.from_numpy(mask).to(device, dtype)
 
 
-class LinearWithLoRA(nn.Module):
+class LinearWithLoRA(DirectCall, nn.Module):
     def __init__(self, base: LinearBase, layer_index: int, modules: list[str], max_loras: int, max_rank: int,
                  batch: LoRABatch, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()

@@ -28,6 +28,7 @@ from engine.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from engine.models.layers.direct_call import DirectCall
 from engine.models.layers.linear import copy_checked
 from engine.models.layers.quantization import QuantizationConfig
 from ops.attention import AttentionBackend
@@ -39,7 +40,7 @@ IntermediateTensors = tuple[torch.Tensor, torch.Tensor]
 _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
 
-class Attention(nn.Module):
+class Attention(DirectCall, nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, quant_config: QuantizationConfig | None,
                  prefix: str, layer: int) -> None:
         super().__init__()
@@ -79,7 +80,7 @@ class Attention(nn.Module):
         return self.o_proj(out.view(n, self.q_size))
 
 
-class MLP(nn.Module):
+class MLP(DirectCall, nn.Module):
     def __init__(self, cfg: ModelConfig, quant_config: QuantizationConfig | None, prefix: str,
                  intermediate_size: int | None = None, reduce_results: bool = True) -> None:
         """`intermediate_size` other than the config's and `reduce_results=False` (partial sums left to the
@@ -101,7 +102,7 @@ class MLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(DirectCall, nn.Module):
     attention_cls: type[Attention] = Attention
     norm_cls: type[nn.Module] = RMSNorm
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.distributed import get_tp_group
 from engine.models.checkpoint import CheckpointTensor
+from engine.models.layers.direct_call import DirectCall
 from engine.models.layers.quantization.base import QuantizationConfig, set_weight_attrs
 from engine.models.layers.quantization.dense import DenseLinearMethod
 
@@ -37,7 +38,7 @@ def _to_param_units(param: torch.Tensor, dim: int, size: int) -> int:
     return size // param.pack_factor if getattr(param, "packed_dim", None) == dim else size
 
 
-class LinearBase(nn.Module):
+class LinearBase(DirectCall, nn.Module):
     def __init__(
         self,
         input_size: int,

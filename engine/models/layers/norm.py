@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.models.layers.direct_call import DirectCall
 from ops.cpu import elementwise
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(DirectCall, nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
