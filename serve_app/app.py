@@ -14,6 +14,7 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from engine.config import EngineConfig
 from engine.model_spec import check_config, local_model_config
 from serve_app.app_args import ROUTERS, AppArgs
+from serve_app.data_parallel import DataParallelRankAssigner
 from serve_app.engine_ingress import EngineIngress
 from serve_app.ingress import OpenAIIngress
 from serve_app.llm_server import LLMServer, StreamPacing
@@ -73,6 +74,9 @@ def _engine_deployment(args: AppArgs, name: str, role: str | None, router: str, 
         extra_options = {"backpressure_config": BackpressureConfig(status_code=503, retry_after_s=1)}
     else:
         deployment, extra_options = LLMServer, {}
+    if engine_config.data_parallel_size > 1:  # the group's ranks ask it theirs (serve_app/data_parallel.py)
+        extra["rank_assigner"] = DataParallelRankAssigner.options(name=f"{name}RankAssigner").bind(
+            engine_config.data_parallel_size)
     return deployment.options(
         name=name,
         **({"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": num_replicas}),

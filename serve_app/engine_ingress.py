@@ -55,9 +55,9 @@ class _LocalEngine:
                   health_check_period_s=5)
 @serve.ingress()
 class EngineIngress(ClientFrontend, LLMServer.func_or_class):
-    def __init__(self, engine_config: dict, served_model_name: str, tracing_config: dict | None, pacing,
-                 worker_bundle: dict[str, float] | None, args: dict) -> None:
-        super().__init__(engine_config, served_model_name, tracing_config, pacing, worker_bundle)
+    async def __init__(self, engine_config: dict, served_model_name: str, tracing_config: dict | None, pacing,
+                       worker_bundle: dict[str, float] | None, args: dict) -> None:
+        await super().__init__(engine_config, served_model_name, tracing_config, pacing, worker_bundle)
         self.serve_clients(AppArgs.model_validate(args), _LocalEngine(self))
 
     async def engine_healthy(self) -> bool:

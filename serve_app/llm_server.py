@@ -57,13 +57,16 @@ class StreamPacing:
     health_check_period_s=5,
 )
 class LLMServer:
-    def __init__(self, engine_config: dict, served_model_name: str, tracing_config: dict | None = None,
-                 pacing: StreamPacing | None = None, worker_bundle: dict[str, float] | None = None,
-                 prefill: DeploymentHandle | None = None, pd_settings: dict | None = None) -> None:
+    # async: a data-parallel rank awaits its rank from the assigner deployment (a blocking call would stall the
+    # replica's event loop, where the handle's own routing runs). Serve awaits an async constructor.
+    async def __init__(self, engine_config: dict, served_model_name: str, tracing_config: dict | None = None,
+                       pacing: StreamPacing | None = None, worker_bundle: dict[str, float] | None = None,
+                       prefill: DeploymentHandle | None = None, pd_settings: dict | None = None,
+                       rank_assigner: DeploymentHandle | None = None) -> None:
         """`worker_bundle`: with the ray backend, the resources of each rank's placement-group bundle; the
         engine's other ranks start as actors there (serve_app/ray_workers.py). `prefill`: this replica
         decodes for a prefill pool (disaggregated prefill/decode, serve_app/disaggregation), with
-        `pd_settings` (PDSettings fields)."""
+        `pd_settings` (PDSettings fields). `rank_assigner`: a data-parallel group's (serve_app/data_parallel.py)."""
         self.replica_id = replica_id = replica_context.replica_id()
         self.model_name = served_model_name
         self.tracer = tracing.setup_tracing(
@@ -73,11 +76,10 @@ class LLMServer:
         )
         config = EngineConfig(**engine_config)
         if config.data_parallel_size > 1:  # one rank of a data-parallel group: which, and where the group meets
-            from serve_app.data_parallel import assign_rank
-
-            context = serve.get_replica_context()
-            rank, master = assign_rank(f"{context.app_name}-{context.deployment}-{config.data_parallel_size}",
-                                       config.data_parallel_size, replica_id)
+            if rank_assigner is None:
+                raise ValueError("engine.data_parallel_size > 1: the replica needs the app's rank assigner "
+                                 "(build the app with serve_app.app:build_app)")
+            rank, master = await rank_assigner.assign.remote(replica_id)
             config = config.model_copy(update={"data_parallel_rank": rank, "data_parallel_master": master})
         launcher = None
         if config.world_size > 1 and config.distributed_executor_backend == "ray":

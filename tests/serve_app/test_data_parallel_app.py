@@ -89,3 +89,18 @@ def test_a_killed_rank_ends_the_groups_streams_and_replaces_the_group(app_url):
 
     wait_for(replaced, timeout=120, interval=1)
     wait_for(lambda: _complete(app_url, PROMPTS[0]), timeout=60, interval=1)
+
+
+def test_the_rank_assigner_is_a_deployment_that_goes_with_the_app(app_url):
+    """Ray Serve LLM's shape: a named detached actor per deployment outlived the app that started it."""
+    import ray
+    from ray import serve
+
+    def assigners() -> list[str]:
+        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if "RankAssigner" in a["name"] or a["name"].startswith("pagedserve-dp-")]  # the old actor's name
+
+    assert serve.status().applications[APP].deployments["LLMServerRankAssigner"].status == "HEALTHY"
+    assert len(assigners()) == 1, assigners()  # SERVE_REPLICA::dp#LLMServerRankAssigner#...
+    serve.delete(APP)
+    wait_for(lambda: not assigners(), timeout=30)
