@@ -63,7 +63,7 @@ def cluster():
         cluster.shutdown()
 
 
-def _deploy(name: str, prefix: str, **args) -> str:
+def _target(name: str, prefix: str, **args):
     from ray import serve
 
     from serve_app.app import build_app
@@ -71,15 +71,43 @@ def _deploy(name: str, prefix: str, **args) -> str:
 
     # The ingress stays on the head node, which no test removes: a stream's end is the engine side's doing.
     args = {"engine": ENGINE, "ingress_ray_actor_options": {"num_cpus": 0, "resources": {"head_node": 0.01}}, **args}
-    serve.run(build_app(AppArgs(**args)), name=name, route_prefix=prefix)
-    return URL + prefix
+    return serve.RunTarget(build_app(AppArgs(**args)), name=name, route_prefix=prefix)
 
 
 @pytest.fixture(scope="module")
-def tp_url(cluster):
-    return _deploy(TP_APP, TP_PREFIX, num_replicas=1, engine={**ENGINE, "tensor_parallel_size": 2},
-                   placement_group_config={"bundle_per_worker": {"CPU": 0.01, "tp_node": 1},
-                                           "strategy": "STRICT_SPREAD"})
+def apps(cluster) -> dict[str, str]:
+    """Both apps of the module, deployed side by side: their replicas start together (~5 s less than one after
+    the other on 2 cores); the P/D app's replicas idle on nodes the TP tests leave alone."""
+    from ray import serve
+
+    serve.run_many([
+        _target(TP_APP, TP_PREFIX, num_replicas=1, engine={**ENGINE, "tensor_parallel_size": 2},
+                placement_group_config={"bundle_per_worker": {"CPU": 0.01, "tp_node": 1}, "strategy": "STRICT_SPREAD"}),
+        _target(PD_APP, PD_PREFIX, disaggregation={
+            "min_uncached_prompt_tokens": 32, "transfer_timeout_s": 10,
+            "prefill": {"ray_actor_options": {"num_cpus": 0, "resources": {"prefill_node": 1}}},
+            "decode": {"ray_actor_options": {"num_cpus": 0, "resources": {"decode_node": 1}}}})])
+    return {TP_APP: URL + TP_PREFIX, PD_APP: URL + PD_PREFIX}
+
+
+@pytest.fixture(scope="module")
+def tp_url(apps):
+    return apps[TP_APP]
+
+
+@pytest.fixture(scope="module")
+def pd_url(apps):
+    return apps[PD_APP]
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """The answers of a one-rank engine on this process, one engine for the module."""
+    from engine import LLM
+
+    llm = LLM("pagedserve-tiny", **ENGINE)
+    yield llm
+    llm.shutdown()
 
 
 def _tp_group() -> dict:
@@ -104,10 +132,10 @@ def _complete(url: str, prompt: str, max_tokens: int) -> dict:
     return r.json()["choices"][0]
 
 
-def test_ranks_on_two_nodes_answer_like_one_rank(tp_url):
+def test_ranks_on_two_nodes_answer_like_one_rank(tp_url, offline):
     from ray import serve
 
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
 
     group = _tp_group()
     assert group["strategy"] == "STRICT_SPREAD"
@@ -118,12 +146,8 @@ def test_ranks_on_two_nodes_answer_like_one_rank(tp_url):
     assert stats.step_queue_tcp_readers == 1  # the other rank is on another node: it reads steps over TCP
 
     got = _complete(tp_url, "Across two nodes", 12)
-    llm = LLM("pagedserve-tiny", **ENGINE)
-    try:
-        [want] = llm.generate(["Across two nodes"], SamplingParams(max_tokens=12, temperature=0, logprobs=1),
-                              use_tqdm=False)
-    finally:
-        llm.shutdown()
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=1)
+    [want] = offline.generate(["Across two nodes"], params, use_tqdm=False)
     assert got["text"] == want.outputs[0].text
     want_logprobs = [entry[tid].logprob for entry, tid in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)]
     assert got["logprobs"]["token_logprobs"] == pytest.approx(want_logprobs, abs=1e-4)
@@ -145,6 +169,22 @@ def _stream_then_remove(url: str, cluster, node) -> tuple[dict, float]:
     return asyncio.run(run())
 
 
+def _replicas(app: str) -> set[str]:
+    import ray
+
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"SERVE_REPLICA::{app}#LLMServer#")}
+
+
+def _replaced(app: str, old: set[str]) -> bool:
+    """A new replica of `app` runs, and none of `old` is left."""
+    from ray import serve
+
+    now = _replicas(app)
+    running = serve.status().applications[app].deployments["LLMServer"].replica_states.get("RUNNING", 0)
+    return bool(now) and not now & old and running == len(now)
+
+
 def _serves(url: str) -> bool:
     try:
         r = httpx.post(url + "/v1/completions", json={"prompt": "again", "max_tokens": 4}, timeout=30)
@@ -159,20 +199,16 @@ def test_removed_node_ends_its_streams_and_a_joining_node_takes_the_replacement(
     streams. Either node going ends the stream with an error event within 5 s; the replacement replica needs
     two `tp_node` nodes and so waits until one joins."""
     node_id = _tp_group()["bundles_to_node_id"][bundle]
+    old = _replicas(TP_APP)
     outcome, after = _stream_then_remove(tp_url, cluster, _node(cluster, node_id))
     assert outcome["finish_reason"] != "length" and outcome["error"] is not None and outcome["done"], outcome
     assert after < 5, f"the stream ended {after:.1f} s after its node was removed"
     cluster.add_node(**NODE_RESOURCES)
-    wait_for(lambda: _serves(tp_url), timeout=120, interval=1)
+    # Asked only once the replacement runs: a request sent while the old replica is going may wait out its whole
+    # timeout there (one run of this test took 42 s instead of ~13).
+    wait_for(lambda: _replaced(TP_APP, old), timeout=120, interval=0.5)
+    wait_for(lambda: _serves(tp_url), timeout=60, interval=0.5)
     assert node_id not in _tp_group()["bundles_to_node_id"].values()
-
-
-@pytest.fixture(scope="module")
-def pd_url(cluster):
-    return _deploy(PD_APP, PD_PREFIX, disaggregation={
-        "min_uncached_prompt_tokens": 32, "transfer_timeout_s": 10,
-        "prefill": {"ray_actor_options": {"num_cpus": 0, "resources": {"prefill_node": 1}}},
-        "decode": {"ray_actor_options": {"num_cpus": 0, "resources": {"decode_node": 1}}}})
 
 
 def _pd(method: str, *args):
@@ -192,18 +228,14 @@ def _pd_idle(deployments: tuple[str, ...] = ("PrefillServer", "DecodeServer")) -
                               for s in stats)
 
 
-def _offline(prompts: list[str], max_tokens: int) -> list[str]:
-    from engine import LLM, SamplingParams
+def _offline(llm, prompts: list[str], max_tokens: int) -> list[str]:
+    from engine import SamplingParams
 
-    llm = LLM("pagedserve-tiny", **ENGINE)
-    try:
-        outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
-    finally:
-        llm.shutdown()
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
     return [o.outputs[0].text for o in outputs]
 
 
-def test_pools_on_different_nodes_move_kv_through_the_object_store(pd_url, cluster):
+def test_pools_on_different_nodes_move_kv_through_the_object_store(pd_url, cluster, offline):
     import ray
 
     assert ray.available_resources().get("prefill_node", 0) == 0  # the prefill replica holds its node
@@ -212,7 +244,7 @@ def test_pools_on_different_nodes_move_kv_through_the_object_store(pd_url, clust
     got = [_complete(pd_url, p, 10)["text"] for p in prompts]
     after = _pd("pd_stats")
     assert after["remote"] - before["remote"] == 2 and after["transfers"] - before["transfers"] == 2
-    assert got == _offline(prompts, 10)
+    assert got == _offline(offline, prompts, 10)
     wait_for(_pd_idle, timeout=20)
 
     # The prefill node goes while a request waits to fetch its KV there: the decode replica recomputes.
@@ -225,7 +257,7 @@ def test_pools_on_different_nodes_move_kv_through_the_object_store(pd_url, clust
         assert time.monotonic() - start < 15
     finally:
         _pd("set_pd_faults", None)
-    assert [text] == _offline(["gone " + LONG], 10)
+    assert [text] == _offline(offline, ["gone " + LONG], 10)
     wait_for(lambda: _pd_idle(("DecodeServer",)), timeout=20)  # the prefill pool has no replica now
 
     cluster.add_node(**PREFILL_NODE)
