@@ -90,6 +90,7 @@ class SmallApp:
     url: str
     receiver: object  # benchmarks.otlp_receiver.OTLPReceiver
     auth: dict[str, str]
+    deployed_at: float  # time.monotonic()
 
 
 @pytest.fixture(scope="session")
@@ -98,16 +99,22 @@ def small_app(deploy_app):
     on 2 cores), chosen so that they do not get in each other's way: two API keys; one running request and
     one queued (the overload check); every stream paced as on a saturated CPU (utilization threshold 0, 0.25 s
     rests); spans exported to `receiver` only once an hour, so that they are still queued when the app is
-    stopped, which the test that stops it (marked `runs_last`) checks."""
+    stopped, which the test that stops it (marked `runs_last`) checks; the deepseek_r1 reasoning parser (its
+    chats, messages and responses: tests/serve_app/test_reasoning_parsers.py; the other checks send completions,
+    which it leaves alone) and room for an Anthropic thinking budget of 1024 tokens."""
     from benchmarks.otlp_receiver import OTLPReceiver
 
     receiver = OTLPReceiver()
-    url = deploy_app(SMALL_APP, "/small", num_replicas=1, api_keys=list(SMALL_APP_KEYS),
-                     engine={**ENGINE, "max_num_seqs": 1, "max_waiting_requests": 1},
+    url = deploy_app(SMALL_APP, "/small", num_replicas=1, api_keys=list(SMALL_APP_KEYS), reasoning_parser="deepseek_r1",
+                     engine={**ENGINE, "max_model_len": 1536, "max_num_seqs": 1, "max_waiting_requests": 1},
                      stream_coalesce_cpu_utilization=0.0, stream_coalesce_interval_s=0.25,
                      tracing={"exporter": "otlp", "protocol": "http/protobuf", "endpoint": receiver.endpoint,
                               "export_interval_ms": 3_600_000})
-    yield SmallApp(url, receiver, {"Authorization": f"Bearer {SMALL_APP_KEYS[0]}"})
+    yield SmallApp(url, receiver, {"Authorization": f"Bearer {SMALL_APP_KEYS[0]}"}, time.monotonic())
+    from ray import serve
+
+    if SMALL_APP in serve.status().applications:  # still up where its runs_last test did not run: its queued
+        serve.delete(SMALL_APP)  # spans go to the receiver now, not to a stopped one for ~20 s at serve.shutdown()
     receiver.stop()
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 
 import pytest
 
@@ -14,6 +13,7 @@ from serve_app.chat_tools import ChoiceTools, plan_tools
 from serve_app.protocol.openai import ChatCompletionRequest
 from serve_app.reasoning_parsers import think_format
 from serve_app.tool_parsers import get_tool_parser
+from tests.serve_app.conftest import SMALL_APP_KEYS
 
 CASES = [  # (parser, output, reasoning, answer)
     ("deepseek_r1", "Let me think.</think>\n\nThe answer is 4.", "Let me think.", "The answer is 4."),
@@ -77,21 +77,18 @@ def test_unknown_parser_is_refused_by_name():
 # The random-weight model never ends its thinking itself: a budget of 4 tokens does, and a regex then constrains
 # the answer (only the answer: the engine starts the grammar after the end tag).
 SHAPED = {"thinking_token_budget": 4, "structured_outputs": {"regex": "[a-z]{3,8}"}}
+KEY = SMALL_APP_KEYS[0]
 
 
 @pytest.fixture(scope="module")
-def reasoning_url(deploy_app) -> Iterator[str]:
-    from ray import serve
-
-    yield deploy_app("reasoning", "/reasoning", model="pagedserve-tiny", num_replicas=1,
-                     reasoning_parser="deepseek_r1", engine={"max_model_len": 1536, "num_kv_blocks": 128})
-    serve.delete("reasoning")  # its replica would otherwise share the 2 cores with every later test
+def reasoning_url(small_app) -> str:
+    return small_app.url  # small_app has the reasoning parser (and API keys: the SDKs send KEY)
 
 
 def test_chat_returns_reasoning_apart_whole_and_streamed(reasoning_url):
     import openai
 
-    client = openai.OpenAI(base_url=reasoning_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=reasoning_url + "/v1", api_key=KEY, max_retries=0, timeout=60)
     ask = dict(model="pagedserve-tiny", messages=[{"role": "user", "content": "Think, then answer."}],
                temperature=0, max_tokens=32, extra_body=SHAPED)
     message = client.chat.completions.create(**ask).choices[0].message
@@ -136,10 +133,10 @@ def test_anthropic_thinking_blocks_when_enabled(reasoning_url):
     import anthropic
     import openai
 
-    chat = openai.OpenAI(base_url=reasoning_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    chat = openai.OpenAI(base_url=reasoning_url + "/v1", api_key=KEY, max_retries=0, timeout=60)
     expected = chat.chat.completions.create(model="pagedserve-tiny", temperature=0, max_tokens=16, messages=[
         {"role": "user", "content": "Think first."}]).choices[0].message.reasoning
-    client = anthropic.Anthropic(base_url=reasoning_url, api_key="unused", max_retries=0, timeout=60)
+    client = anthropic.Anthropic(base_url=reasoning_url, api_key=KEY, max_retries=0, timeout=60)
     ask = dict(model="pagedserve-tiny", max_tokens=16, messages=[{"role": "user", "content": "Think first."}],
                extra_body={"temperature": 0})
     plain = client.messages.create(**ask)
@@ -165,7 +162,7 @@ def test_anthropic_thinking_blocks_when_enabled(reasoning_url):
 def test_responses_carry_reasoning_items(reasoning_url):
     import openai
 
-    client = openai.OpenAI(base_url=reasoning_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=reasoning_url + "/v1", api_key=KEY, max_retries=0, timeout=60)
     r = client.responses.create(model="pagedserve-tiny", input="Think.", temperature=0, max_output_tokens=8)
     # Unconstrained, the output never closes its thinking: all reasoning, cut at max_output_tokens.
     assert [item.type for item in r.output] == ["reasoning"] and r.status == "incomplete"

@@ -31,7 +31,9 @@ def _events(url: str, max_tokens: int, headers: dict | None = None) -> list[int]
 @pytest.mark.skipif(CpuUtilization().source is None, reason="no CPU usage figures (cgroup, /proc/stat) here")
 def test_saturated_cpu_coalesces_tokens(small_app):
     # small_app's threshold is 0: any utilization counts as saturated, so every stream is paced at 0.25 s.
-    time.sleep(2.5)  # a replica just started samples the utilization every second
+    # A replica just started samples the utilization every second: 2.5 s after its start (or at once, where
+    # earlier tests already used it) it streams as saturated.
+    time.sleep(max(0.0, small_app.deployed_at + 2.5 - time.monotonic()))
     tokens = _events(small_app.url, 200, small_app.auth)
     assert sum(tokens) == 200
     assert tokens[0] >= 1 and len(tokens) < 100, tokens  # fewer, fuller messages than one per step
