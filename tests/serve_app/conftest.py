@@ -57,6 +57,33 @@ def ray_session():
     ray.shutdown()
 
 
+_deleting: set[str] = set()  # apps delete_app() is deleting
+
+
+def delete_app(name: str) -> None:
+    """Delete an app without waiting the ~3 s its replicas take to stop: they stop while the next module deploys
+    its own app; a test that deploys none waits for them first (`_no_app_deleting`)."""
+    from ray import serve
+
+    serve.delete(name, _blocking=False)
+    _deleting.add(name)
+
+
+def _wait_deleted() -> None:
+    if _deleting:
+        from ray import serve
+
+        wait_for(lambda: not _deleting & set(serve.status().applications), timeout=60)
+        _deleting.clear()
+
+
+@pytest.fixture(autouse=True)
+def _no_app_deleting():
+    """No test starts while an app is being deleted (after any app of its module is up): the stopping replicas
+    would share the 2 cores, Ray's processes and /dev/shm with it."""
+    _wait_deleted()
+
+
 @pytest.fixture(scope="session")
 def deploy_app(ray_session):
     """deploy_app(name, route_prefix, **AppArgs) -> base URL; each configuration is deployed once."""
@@ -68,6 +95,8 @@ def deploy_app(ray_session):
     deployed: dict[str, str] = {}
 
     def deploy(name: str, route_prefix: str, **args) -> str:
+        if name in _deleting:
+            _wait_deleted()
         if name not in deployed or name not in serve.status().applications:  # new, or deleted by a test
             args.setdefault("engine", ENGINE)
             # The suite's apps keep the ingress deployment unless a test asks for direct streaming (the default

@@ -8,7 +8,7 @@ import threading
 
 import httpx
 
-from tests.serve_app.conftest import wait_for
+from tests.serve_app.conftest import delete_app, wait_for
 
 APP = "autoscale"
 
@@ -40,8 +40,6 @@ def _stream(url: str, results: list, max_tokens: int) -> None:
 
 
 def test_burst_scales_up_idle_scales_down_no_stream_cut(deploy_app):
-    from ray import serve
-
     url = deploy_app(
         APP, "/autoscale",
         engine={"max_model_len": 1024, "num_kv_blocks": 512, "num_threads": 1, "max_num_seqs": 2},
@@ -69,4 +67,4 @@ def test_burst_scales_up_idle_scales_down_no_stream_cut(deploy_app):
     wait_for(lambda: _replicas() == 1, timeout=120, interval=0.5)
     streaming.join()
     assert results + survivor == [(200, 700, "length")] * 8 + [(200, 900, "length")]
-    serve.delete(APP)  # its replica would otherwise share the 2 cores with every later test
+    delete_app(APP)  # its replica would otherwise share the 2 cores with every later test

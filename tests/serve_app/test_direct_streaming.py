@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from serve_app.protocol.openai import ChatCompletionRequest, ChatCompletionResponse
-from tests.serve_app.conftest import INGRESS, disconnect_mid_stream
+from tests.serve_app.conftest import INGRESS, delete_app, disconnect_mid_stream
 
 APP = "direct"
 # One app for the module (each app deployed costs 15-25 s on 2 cores): two replicas, and behind HAProxy the
@@ -21,10 +21,8 @@ ROUTER = "prefix" if INGRESS == "haproxy" else "pow2"
 
 @pytest.fixture(scope="module")
 def direct_url(deploy_app) -> Iterator[str]:
-    from ray import serve
-
     yield deploy_app(APP, "/direct", model="pagedserve-tiny", num_replicas=2, router=ROUTER, direct_streaming=True)
-    serve.delete(APP)  # its replicas would otherwise share the 2 cores with every later test
+    delete_app(APP)  # its replicas would otherwise share the 2 cores with every later test
 
 
 @pytest.fixture(scope="module")
@@ -148,4 +146,4 @@ def test_one_replica_app_serves_clients_itself_by_default(deploy_app):
         response = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
     finally:
-        serve.delete("one")
+        delete_app("one")

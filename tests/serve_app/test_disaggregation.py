@@ -23,7 +23,7 @@ import pytest
 
 from engine.shm_files import SHM_DIR, owner
 from tests.lora_adapters import write_peft_adapter
-from tests.serve_app.conftest import ENGINE, wait_for
+from tests.serve_app.conftest import ENGINE, delete_app, wait_for
 
 APP, PREFIX = "pd", "/pd"
 LONG = "disaggregated " * 60  # ~240 tokens: above the threshold below
@@ -44,12 +44,10 @@ def adapter(tiny_model_path, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def app_url(deploy_app, adapter):
-    from ray import serve
-
     yield deploy_app(APP, PREFIX, model="pagedserve-tiny", engine={**ENGINE, "max_num_batched_tokens": 64},
                      disaggregation={"min_uncached_prompt_tokens": 32, "kv_lease_s": 2.0, "transfer_timeout_s": 20},
                      lora_modules=[{"name": ADAPTER, "path": str(adapter)}])
-    serve.delete(APP)
+    delete_app(APP)
 
 
 @pytest.fixture(scope="module")

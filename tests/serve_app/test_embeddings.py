@@ -16,7 +16,7 @@ import pytest
 
 from engine.models.builtin import materialize_builtin
 from tests.engine.pooling.test_embed import hf_embedding
-from tests.serve_app.conftest import ENGINE, engine_idle, wait_for
+from tests.serve_app.conftest import ENGINE, delete_app, engine_idle, wait_for
 
 MODEL = "pagedserve-tiny-embed"
 APP_NAME = "embed"
@@ -25,10 +25,8 @@ TEXTS = ["Hello world", "Embeddings for retrieval pipelines, " * 6, "Short"]
 
 @pytest.fixture(scope="module")
 def embed_url(deploy_app) -> Iterator[str]:
-    from ray import serve
-
     yield deploy_app(APP_NAME, "/embed", model=MODEL, num_replicas=1, engine={**ENGINE, "task": "embed"})
-    serve.delete(APP_NAME)  # its replica would otherwise share the 2 cores with every later test
+    delete_app(APP_NAME)  # its replica would otherwise share the 2 cores with every later test
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from PIL import Image
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.frontend.input_processor import InputProcessor
+from tests.serve_app.conftest import delete_app
 
 PNG_SIZE_LIMIT = 6_000  # max_media_bytes of the app: the big image below is over it
 
@@ -68,13 +69,11 @@ def image_server():
 
 @pytest.fixture(scope="module")
 def vlm_app(deploy_app, qwen2_5_vl_checkpoint) -> Iterator[str]:
-    from ray import serve
-
     yield deploy_app("vlm", "/vlm", model=str(qwen2_5_vl_checkpoint), num_replicas=1,
                      engine={"max_model_len": 512, "num_kv_blocks": 128, "num_threads": 1,
                              "limit_mm_per_prompt": {"image": 2}},
                      allowed_media_domains=["127.0.0.1"], media_fetch_timeout_s=1.0, max_media_bytes=PNG_SIZE_LIMIT)
-    serve.delete("vlm")  # its replica would otherwise share the 2 cores with every later test
+    delete_app("vlm")  # its replica would otherwise share the 2 cores with every later test
 
 
 @pytest.fixture(scope="module")

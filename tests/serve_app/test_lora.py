@@ -18,7 +18,7 @@ from ray import serve
 
 from serve_app.lora_registry import REGISTRY_FILE, AdapterNotFound, LoRAModule, LoRARegistry
 from tests.lora_adapters import write_peft_adapter
-from tests.serve_app.conftest import ENGINE
+from tests.serve_app.conftest import ENGINE, delete_app
 
 BASE = "pagedserve-tiny"
 KEY = "lora-test-key"
@@ -47,7 +47,7 @@ def lora_url(deploy_app, adapters) -> str:
                      allow_runtime_lora_updating=True, engine={**ENGINE, "max_loras": 2},
                      lora_modules=[{"name": "sql", "path": str(outside / "sql")},
                                    {"name": "chat", "path": str(outside / "chat")}])
-    serve.delete(APP)  # its three replicas would otherwise share the 2 cores with every later test
+    delete_app(APP)  # its three replicas would otherwise share the 2 cores with every later test
 
 
 @pytest.fixture(scope="module")
