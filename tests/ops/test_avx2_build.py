@@ -33,20 +33,27 @@ def _pytest(*args: str) -> list[str]:
     return [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *args]
 
 
+def _env(cflags: str) -> dict[str, str]:
+    # Idle OpenMP threads sleep instead of spinning: the child's two threads share 2 cores with whatever else runs
+    # (a busy machine made its kernel tests 3x slower). What the kernels compute and on how many threads is the same.
+    return {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PAGEDSERVE_CPU_CFLAGS": cflags}
+
+
 @pytest.mark.skipif(bool(missing_toolchain()) or "avx512f" not in cpu_flags(), reason="no AVX-512 build to test beside")
 def test_the_avx2_build_passes_every_kernels_tests():
-    env = {**os.environ, "PAGEDSERVE_CPU_CFLAGS": AVX2}
+    env = _env(AVX2)
     plain = None
     if _defines_avx_vnni(AVX2):
-        plain_env = {**os.environ, "PAGEDSERVE_CPU_CFLAGS": f"{AVX2} -mno-avxvnni"}
         plain = subprocess.Popen(_pytest("tests/ops/test_quant_linear.py", "-k", "w8a8 or w4a8"),
-                                 env=plain_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 env=_env(f"{AVX2} -mno-avxvnni"), cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
     try:
         build = subprocess.run([sys.executable, "-m", "ops.cpu"], env=env, cwd=ROOT, capture_output=True, text=True,
                                timeout=900)
         assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-4000:]
-        result = subprocess.run(_pytest(*KERNEL_TESTS), env=env, cwd=ROOT, capture_output=True, text=True,
-                                timeout=600)
+        # The attention tests' pure-torch cases run no compiled code: the main run has them, whatever the flags.
+        result = subprocess.run(_pytest(*KERNEL_TESTS, "-k", "not pure-torch"), env=env, cwd=ROOT, capture_output=True,
+                                text=True, timeout=600)
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
         skips = [line for line in result.stdout.splitlines() if line.startswith("SKIPPED")]
         expected = ("need AVX512_BF16",)  # skips that say what the AVX2 build lacks
