@@ -50,7 +50,9 @@ def ray_session():
 
     if INGRESS == "haproxy":
         os.environ.update({**SERVE_ENV, **HAPROXY_PORTS_ENV})
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # Metrics reach Prometheus every 2 s instead of Ray's 10 (test_metrics.py waits for them)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             _system_config={"metrics_report_interval_ms": 2000})
     serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
     yield
     serve.shutdown()

@@ -32,7 +32,7 @@ def test_engine_metrics_on_the_prometheus_endpoint(serve_app_url):
         text = httpx.get(url, timeout=5).text
         return text if all(name in text for name in NAMES) else None
 
-    text = wait_for(scrape, timeout=60, interval=1.0)
+    text = wait_for(scrape, timeout=60, interval=0.5)
     line = next(line for line in text.splitlines() if line.startswith("ray_pagedserve_generation_tokens"))
     assert 'model_name="pagedserve-tiny"' in line and "replica=" in line
     assert float(line.rsplit(" ", 1)[1]) >= 15
@@ -58,4 +58,4 @@ def test_moe_expert_load_on_the_prometheus_endpoint(ray_session):
         counts = {line.split('expert="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in lines}
         return counts if len(counts) == 3 else None
 
-    assert wait_for(scrape, timeout=60, interval=1.0) == {"0": 9.0, "1": 2.0, "2": 7.0}
+    assert wait_for(scrape, timeout=60, interval=0.5) == {"0": 9.0, "1": 2.0, "2": 7.0}
