@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from engine.shm_files import SHM_DIR
-from tests.serve_app.conftest import ENGINE, HTTP_PORT, wait_for
+from tests.serve_app.conftest import ENGINE, HTTP_PORT, run_apps, wait_for
 from tests.serve_app.test_faults import _stream
 
 pytestmark = pytest.mark.own_ray
@@ -78,9 +78,7 @@ def _target(name: str, prefix: str, **args):
 def apps(cluster) -> dict[str, str]:
     """Both apps of the module, deployed side by side: their replicas start together (~5 s less than one after
     the other on 2 cores); the P/D app's replicas idle on nodes the TP tests leave alone."""
-    from ray import serve
-
-    serve.run_many([
+    run_apps([
         _target(TP_APP, TP_PREFIX, num_replicas=1, engine={**ENGINE, "tensor_parallel_size": 2},
                 placement_group_config={"bundle_per_worker": {"CPU": 0.01, "tp_node": 1}, "strategy": "STRICT_SPREAD"}),
         _target(PD_APP, PD_PREFIX, disaggregation={
