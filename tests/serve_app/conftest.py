@@ -1,8 +1,8 @@
 """One Ray instance and one running app for the whole test session (starting Serve costs seconds).
 
-`serve_app_url` is the base URL of the default app (2 engine replicas of the tiny model). Tests that
-need a different configuration deploy their own app under another name and route prefix with
-`deploy_app`, on the same Ray instance."""
+`serve_app_url` is the base URL of the default app (2 engine replicas of the tiny model, exporting spans to
+`span_receiver`). Tests that need a different configuration deploy their own app under another name and route
+prefix with `deploy_app`, on the same Ray instance."""
 
 from __future__ import annotations
 
@@ -42,7 +42,17 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
-def ray_session():
+def span_receiver():
+    """Where the session app exports its spans (tests/serve_app/test_tracing_e2e.py reads them)."""
+    from benchmarks.otlp_receiver import OTLPReceiver
+
+    receiver = OTLPReceiver()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_session(span_receiver):  # the receiver first: it stops after Serve, whose replicas flush their spans to it
     import ray
     from ray import serve
 
@@ -143,8 +153,10 @@ def deploy_app(deploy_apps):
 
 
 @pytest.fixture(scope="session")
-def serve_app_url(deploy_app) -> str:
-    return deploy_app(APP, "/", model="pagedserve-tiny", num_replicas=2)
+def serve_app_url(deploy_app, span_receiver) -> str:
+    # Tracing on (spans exported every 100 ms): test_tracing_e2e.py checks them here rather than on an app of its own
+    return deploy_app(APP, "/", model="pagedserve-tiny", num_replicas=2, tracing={
+        "exporter": "otlp", "protocol": "http/protobuf", "endpoint": span_receiver.endpoint, "export_interval_ms": 100})
 
 
 @dataclass

@@ -1,6 +1,6 @@
-"""Traces across Ray processes: the real app exports OTLP/HTTP to a receiver this test runs; a request
-sent with a traceparent yields spans from the ingress process and the replica process in that trace,
-with the right parents, also for a request aborted by the client going away."""
+"""Traces across Ray processes: the session app exports OTLP/HTTP to a receiver this test session runs
+(`span_receiver`); a request sent with a traceparent yields spans from the ingress process and the replica
+process in that trace, with the right parents, also for a request aborted by the client going away."""
 
 from __future__ import annotations
 
@@ -9,17 +9,12 @@ import secrets
 import httpx
 import pytest
 
-from benchmarks.otlp_receiver import OTLPReceiver
 from tests.serve_app.conftest import SMALL_APP, wait_for
 
 
 @pytest.fixture(scope="module")
-def traced(deploy_app):
-    receiver = OTLPReceiver()
-    url = deploy_app("traced", "/traced", num_replicas=1, router="prefix", tracing={
-        "exporter": "otlp", "protocol": "http/protobuf", "endpoint": receiver.endpoint, "export_interval_ms": 100})
-    yield url, receiver
-    receiver.stop()
+def traced(serve_app_url, span_receiver):
+    return serve_app_url, span_receiver  # the prefix router, spans exported every 100 ms
 
 
 def _traceparent() -> tuple[str, str, str]:
