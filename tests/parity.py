@@ -88,12 +88,13 @@ def greedy(model, prompt: tuple[int, ...], n: int) -> tuple[list[int], list[torc
     """hf_greedy's loop on a model already built."""
     out = model(torch.tensor([list(prompt)]), use_cache=True)
     tokens, logprobs = [], []
-    for _ in range(n):
+    for i in range(n):
         lp = out.logits[0, -1].float().log_softmax(-1)
         token = int(lp.argmax())
         tokens.append(token)
         logprobs.append(lp)
-        out = model(torch.tensor([[token]]), cache=out.cache, use_cache=True)
+        if i + 1 < n:  # the last token's forward pass would predict a token nobody reads
+            out = model(torch.tensor([[token]]), cache=out.cache, use_cache=True)
     return tokens, logprobs
 
 
