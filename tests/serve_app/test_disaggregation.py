@@ -294,8 +294,8 @@ def test_prefill_replica_killed_before_the_fetch(app_url, serve_app_url):
     # Serve replaces the prefill replica; remote prefills resume.
     wait_for(lambda: [a for a in ray.util.list_named_actors(all_namespaces=True)
                       if a["name"].startswith(f"SERVE_REPLICA::{APP}#PrefillServer#") and a["name"] != replica],
-             timeout=90, interval=1)
+             timeout=90, interval=0.5)
     before = _pd_stats()["remote"]
     wait_for(lambda: _complete(app_url, fresh("again")).choices[0].text and _pd_stats()["remote"] > before,
-             timeout=60, interval=1)
+             timeout=60, interval=0.5)
     _assert_idle()

@@ -261,7 +261,7 @@ def test_pools_on_different_nodes_move_kv_through_the_object_store(pd_url, clust
     cluster.add_node(**PREFILL_NODE)
     before = _pd("pd_stats")["remote"]
     wait_for(lambda: _complete(pd_url, f"back {time.time_ns()} {LONG}", 4) and _pd("pd_stats")["remote"] > before,
-             timeout=120, interval=1)
+             timeout=120, interval=0.5)
 
 
 def _nodes_with(resource: str) -> set[str]:
