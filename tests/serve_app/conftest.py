@@ -29,29 +29,16 @@ if INGRESS not in ("haproxy", "proxy"):
     raise ValueError(f"PAGEDSERVE_TEST_INGRESS={INGRESS!r}: use haproxy or proxy")
 
 
-# The apps the `app` marks of each module's tests name, in the order the modules run (deploy_apps starts the
-# next module's beside the apps it deploys)
-_marked_apps: list[dict[str, tuple[str, dict]]] = []
-
-
 def pytest_collection_modifyitems(items):
     # Tests that start their own Ray (serve run in a subprocess) must run before the shared instance exists;
     # tests that kill or stop an app other tests share run after everything else.
     items.sort(key=lambda item: 0 if item.get_closest_marker("own_ray") else
                2 if item.get_closest_marker("runs_last") else 1)
-    modules: dict[str, dict[str, tuple[str, dict]]] = {}
-    for item in items:
-        for mark in item.iter_markers("app"):
-            name, route_prefix, args = mark.args
-            modules.setdefault(item.nodeid.split("::")[0], {})[name] = (route_prefix, args)
-    _marked_apps[:] = modules.values()
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "own_ray: runs its own Ray, before the shared session instance starts")
     config.addinivalue_line("markers", "runs_last: kills or stops an app that other tests share; runs after them")
-    config.addinivalue_line("markers", "app(name, route_prefix, args): the test deploys this app (deploy_app), which "
-                            "needs no fixture: it starts ahead, beside the app deployed before its module runs")
 
 
 @pytest.fixture(scope="session")
@@ -145,10 +132,7 @@ def deploy_apps(ray_session):
             _wait_deleted()
         running = serve.status().applications
         targets = []
-        # The marked apps of the next module that deploys any start beside these: ~4 s less than one after the
-        # other on 2 cores, for a few seconds of an idle app
-        ahead = next((marked for marked in _marked_apps if set(marked) - set(deployed) - set(apps)), {})
-        for name, (route_prefix, args) in {**{n: a for n, a in ahead.items() if n not in deployed}, **apps}.items():
+        for name, (route_prefix, args) in apps.items():
             if name not in deployed or name not in running:  # new, or deleted by a test
                 # The suite's apps keep the ingress deployment unless a test asks for direct streaming (the
                 # default where it can be: test_direct_streaming.py serves it)

@@ -7,16 +7,10 @@ import json
 import threading
 
 import httpx
-import pytest
 
 from tests.serve_app.conftest import delete_app, wait_for
 
 APP = "autoscale"
-ARGS = {"engine": {"max_model_len": 1024, "num_kv_blocks": 512, "num_threads": 1, "max_num_seqs": 2},
-        "autoscaling_config": {
-            "min_replicas": 1, "max_replicas": 3, "look_back_period_s": 2,
-            "policy": {"policy_function": "autoscale.ray_policy:KVQueueAutoscalingPolicy",
-                       "policy_kwargs": {"target_waiting_per_replica": 1, "downscale_delay_s": 2}}}}
 
 
 def _replicas() -> int:
@@ -45,9 +39,16 @@ def _stream(url: str, results: list, max_tokens: int) -> None:
         results.append(repr(e))
 
 
-@pytest.mark.app(APP, "/autoscale", ARGS)
 def test_burst_scales_up_idle_scales_down_no_stream_cut(deploy_app):
-    url = deploy_app(APP, "/autoscale", **ARGS)
+    url = deploy_app(
+        APP, "/autoscale",
+        engine={"max_model_len": 1024, "num_kv_blocks": 512, "num_threads": 1, "max_num_seqs": 2},
+        autoscaling_config={
+            "min_replicas": 1, "max_replicas": 3, "look_back_period_s": 2,
+            "policy": {"policy_function": "autoscale.ray_policy:KVQueueAutoscalingPolicy",
+                       "policy_kwargs": {"target_waiting_per_replica": 1, "downscale_delay_s": 2}},
+        },
+    )
     assert _replicas() == 1
     results: list = []
     # 8 streams on one replica (2 running, 6 waiting): the autoscaler wants 3. The requests stay queued on the

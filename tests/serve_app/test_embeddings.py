@@ -20,14 +20,12 @@ from tests.serve_app.conftest import ENGINE, delete_app, engine_idle, wait_for
 
 MODEL = "pagedserve-tiny-embed"
 APP_NAME = "embed"
-ARGS = {"model": MODEL, "num_replicas": 1, "engine": {**ENGINE, "task": "embed"}}
-pytestmark = pytest.mark.app(APP_NAME, "/embed", ARGS)
 TEXTS = ["Hello world", "Embeddings for retrieval pipelines, " * 6, "Short"]
 
 
 @pytest.fixture(scope="module")
 def embed_url(deploy_app) -> Iterator[str]:
-    yield deploy_app(APP_NAME, "/embed", **ARGS)
+    yield deploy_app(APP_NAME, "/embed", model=MODEL, num_replicas=1, engine={**ENGINE, "task": "embed"})
     delete_app(APP_NAME)  # its replica would otherwise share the 2 cores with every later test
 
 
