@@ -60,8 +60,9 @@ def ray_session(span_receiver):  # the receiver first: it stops after Serve, who
 
     if INGRESS == "haproxy":
         os.environ.update({**SERVE_ENV, **HAPROXY_PORTS_ENV})
-    # Metrics reach Prometheus every 2 s instead of Ray's 10 (test_metrics.py waits for them)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+    # A Ray of its own even where another session's cluster runs on this host (ray.init() would join the one
+    # ray.cluster_utils last started); metrics reach Prometheus every 2 s instead of 10 (test_metrics.py waits)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
              _system_config={"metrics_report_interval_ms": 2000})
     serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
     yield
