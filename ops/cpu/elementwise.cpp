@@ -135,8 +135,9 @@ void rms_norm(at::Tensor& out, std::optional<at::Tensor> residual_out, const at:
 // out may be x (in place); both [tokens, heads, head_dim] with unit stride in head_dim.
 void rotary_neox(at::Tensor& out, const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                  const at::Tensor& sin) {
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && out.dim() == 3 && out.stride(2) == 1 && out.sizes() == x.sizes() &&
-              out.scalar_type() == x.scalar_type(), "rotary_neox: x and out [tokens, heads, head_dim], same dtype");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && out.dim() == 3 && out.stride(2) == 1 &&
+              out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
+              "rotary_neox: x and out [tokens, heads, head_dim], same dtype");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && cos.scalar_type() == at::kFloat && cos.is_contiguous() &&
               sin.is_contiguous(), "rotary_neox: int64 positions, contiguous float32 cos and sin");
   TORCH_CHECK(cos.size(-1) * 2 == x.size(2) && positions.numel() == x.size(0), "rotary_neox: shapes disagree");

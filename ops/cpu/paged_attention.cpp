@@ -33,9 +33,9 @@ namespace {
 
 // kHeadDim > 0 fixes head_dim at compile time (vectors stay in registers); 0 reads it at run time.
 template <typename scalar_t, int kHeadDim>
-void decode(const scalar_t* q, int64_t q_stride, const scalar_t* cache, const int32_t* block_tables, const int32_t* seq_lens,
-            scalar_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-            int64_t block_size, int64_t max_blocks, float scale, int64_t window, const float* sinks) {
+void decode(const scalar_t* q, int64_t q_stride, const scalar_t* cache, const int32_t* block_tables,
+            const int32_t* seq_lens, scalar_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+            int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window, const float* sinks) {
   const int64_t group = num_heads / num_kv_heads, H = num_heads;
   const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
   const int64_t half = block_size * num_kv_heads * D;  // elements of a block's K (or V)
