@@ -58,6 +58,11 @@ class _TablePlan:
     prefill_block_ids: list[torch.Tensor]  # int64, each prefill's blocks
 
 
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    """Whether each token's heads of x [tokens, heads, head_dim] lie in one run (a view of the QKV output does)."""
+    return x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -130,12 +135,15 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         tables = self._tables[sliding_window]
-        store_kv(kv_cache, k, v, tables.k_rows, tables.v_rows)
+        if self._cpu_kernels is not None and _heads_contiguous(k) and _heads_contiguous(v):
+            self._cpu_kernels.store_kv(kv_cache, k, v, tables.k_rows)
+        else:
+            store_kv(kv_cache, k, v, tables.k_rows, tables.v_rows)
         out = torch.empty_like(q)
         nd = self._num_decodes
         if nd and self._cpu_kernels is not None:  # q may be a view of the QKV output: the kernel takes its stride
             whole = nd == q.shape[0]  # a decode-only step: no slices to dispatch
-            if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
+            if not _heads_contiguous(q):
                 q = q.contiguous()
             self._cpu_kernels.paged_decode_attention(out if whole else out[:nd], q if whole else q[:nd], kv_cache,
                                                      tables.decode_tables, self._decode_lens, self.scale,

@@ -12,18 +12,23 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def available(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype in _DTYPES and load_elementwise_kernels() is not None
+    return x.is_cpu and x.dtype in _DTYPES and load_elementwise_kernels() is not None
+
+
+def _contiguous(x: torch.Tensor) -> torch.Tensor:
+    # a decode step calls these ~30 times: a no-op .contiguous() still costs a dispatch (~1 us), the check does not
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """RMSNorm(x) * weight; with `residual`, of x + residual, returning (normed, x + residual)."""
-    x = x.contiguous()
+    x = _contiguous(x)
     out = torch.empty_like(x)
     summed = torch.empty_like(x) if residual is not None else None
-    res = residual.contiguous() if residual is not None else None
+    res = _contiguous(residual) if residual is not None else None
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
-    load_elementwise_kernels().rms_norm(out, summed, x, res, weight.contiguous(), eps)
+    load_elementwise_kernels().rms_norm(out, summed, x, res, _contiguous(weight), eps)
     return out if residual is None else (out, summed)
 
 
@@ -36,13 +41,15 @@ def rotary_neox(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
             raise ValueError("rotary_neox: in place needs x's head_dim contiguous")
         x = x.contiguous()
     out = x if in_place else torch.empty(x.shape, dtype=x.dtype)
-    load_elementwise_kernels().rotary_neox(out, x, positions.long().contiguous(), cos, sin)
+    if positions.dtype != torch.int64:
+        positions = positions.long()
+    load_elementwise_kernels().rotary_neox(out, x, _contiguous(positions), cos, sin)
     return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2 I] = [gate, up] -> silu(gate) * up [..., I]."""
-    x = x.contiguous()
+    x = _contiguous(x)
     out = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=x.dtype)
     load_elementwise_kernels().silu_and_mul(out, x)
     return out

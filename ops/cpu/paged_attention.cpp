@@ -162,6 +162,45 @@ void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor cache, at::
   });
 }
 
+// A step's K and V into the cache: k[i] to the cache's row k_rows[i] and v[i] to k_rows[i] + block_size, the cache
+// viewed as rows of [kv_heads, head_dim] (ops/attention/backend.py's kv_rows). k, v: [tokens, kv_heads, head_dim],
+// each token's heads contiguous, any stride between tokens (views of the fused QKV output). One call where
+// index_copy_ took a view and two dispatches per layer, each several times this copy's cost at batch 1.
+void store_kv(at::Tensor cache, at::Tensor k, at::Tensor v, at::Tensor k_rows) {
+  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 5 && cache.size(1) == 2,
+              "cache: contiguous [num_blocks, 2, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == cache.size(3) && k.size(2) == cache.size(4),
+              "k, v: [tokens, kv_heads, head_dim] of the cache's heads");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "k, v: each token's heads contiguous");
+  TORCH_CHECK(k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type(),
+              "k, v: the cache's dtype");
+  TORCH_CHECK(k_rows.scalar_type() == at::kLong && k_rows.is_contiguous() && k_rows.numel() == k.size(0),
+              "k_rows: int64 [tokens]");
+  const int64_t tokens = k.size(0), block_size = cache.size(2), item = k.element_size();
+  const int64_t row_bytes = k.size(1) * k.size(2) * item, rows = cache.numel() / (k.size(1) * k.size(2));
+  const int64_t* row = k_rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tokens; ++i)
+    TORCH_CHECK(row[i] >= 0 && row[i] % (2 * block_size) < block_size && row[i] + block_size < rows, "k_rows[", i,
+                "] = ", row[i], " is not a K row of the cache (", rows / (2 * block_size), " blocks of ", block_size, ")");
+  char* base = static_cast<char*>(cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t k_stride = k.stride(0) * item, v_stride = v.stride(0) * item;
+  const auto copy = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      std::memcpy(base + row[i] * row_bytes, kp + i * k_stride, row_bytes);
+      std::memcpy(base + (row[i] + block_size) * row_bytes, vp + i * v_stride, row_bytes);
+    }
+  };
+  if (tokens * row_bytes < (1 << 16)) {
+    copy(0, tokens);  // a decode step's few rows: waking a second thread would cost more than the copy
+  } else {
+    pagedserve::shared_for(tokens, copy);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over a paged KV cache (CPU)");
+  m.def("store_kv", &store_kv, "A step's K and V into the paged KV cache at their rows (CPU)");
 }

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from ops.attention.backend import AttentionMetadata
+from ops.attention.backend import AttentionMetadata, kv_rows, store_kv
 from ops.attention.torch_backend import TorchAttentionBackend
-from ops.cpu import missing_toolchain
+from ops.cpu import load_cpu_kernels, missing_toolchain
 
 HEAD_DIM = 16
 HEAD_PAIRS = [(4, 4), (8, 2), (6, 1), (4, 2)]  # (num_heads, num_kv_heads): MHA, GQA, MQA
@@ -216,6 +216,25 @@ def test_strided_qkv_from_a_fused_projection(num_heads: int, num_kv_heads: int, 
     gen = torch.Generator().manual_seed(5)
     shapes = random_shapes(gen, num_decodes=3, num_prefills=3, max_len=40)
     run_step(shapes, num_heads, num_kv_heads, 16, 5, use_cpu_kernel, fused_qkv=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [9, 600])  # 600: enough bytes that the copy runs on both threads
+def test_the_kernel_stores_kv_where_index_copy_does(dtype: torch.dtype, tokens: int) -> None:
+    _skip_without_toolchain()
+    gen = torch.Generator().manual_seed(tokens)
+    num_blocks, block_size, kv_heads, d = 160, 4, 2, HEAD_DIM
+    qkv = torch.randn(tokens, (4 + 2 * kv_heads) * d, generator=gen).to(dtype)  # 4 query heads, then K's, V's
+    k = qkv[:, 4 * d : (4 + kv_heads) * d].view(tokens, kv_heads, d)
+    v = qkv[:, (4 + kv_heads) * d :].view(tokens, kv_heads, d)
+    k_rows, v_rows = kv_rows(torch.randperm(num_blocks * block_size, generator=gen)[:tokens], block_size)
+    expected = torch.randn(num_blocks, 2, block_size, kv_heads, d, generator=gen).to(dtype)
+    cache = expected.clone()
+    store_kv(expected, k, v, k_rows, v_rows)
+    load_cpu_kernels().store_kv(cache, k, v, k_rows)
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match=r"k_rows\[0\] = \d+ is not a K row of the cache"):
+        load_cpu_kernels().store_kv(cache, k, v, v_rows)  # V's rows: each would overwrite the next block's K
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_PAIRS)
