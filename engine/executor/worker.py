@@ -35,6 +35,7 @@ from engine.kv_transfer.factory import create_kv_connector
 from engine.lora.layers import LoRASlots
 from engine.lora.peft import LoRAAdapter
 from engine.model_spec import ModelSpec
+from engine.models.layers.direct_call import pin_submodules
 from engine.models.loader import build_model, weight_bytes
 from engine.pooling.pooler import segment_sums
 from ops.attention import get_attention_backend
@@ -99,6 +100,7 @@ class Worker:
         # Adapter slots: the model's projections wrapped, loaded through Executor.collective_rpc.
         self.lora = LoRASlots(self.model, config.max_loras, config.max_lora_rank, spec.dtype, device) \
             if config.enable_lora else None
+        pin_submodules(self.model)
         self.pp = groups.pp if groups is not None else None
         self.kv_connector = create_kv_connector(config, spec.model_config, spec.dtype, "worker",
                                                 rank=groups.world.global_rank if groups is not None else 0)
