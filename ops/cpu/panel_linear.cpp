@@ -78,9 +78,14 @@ constexpr int64_t kChunk = 256;       // input columns widened at a time: 16 KiB
 // float32 panels prefetch 16 KiB ahead into L2: into L1, each core's few line-fill buffers held them at ~24-27
 // GB/s where a sum over memory reads 31-33 (2-core EPYC: float32 decode 1.19x / 1.12x at batch 1 / 16 on the
 // 56M model, 1.16x / 1.14x on the 600M). The others keep 8 KiB into L1: into L2, int8 at batch 1 on the 600M
-// model and bfloat16 at batch 1 ran slower.
+// model and bfloat16 at batch 1 ran slower. Except the dot kernels' direct tiles (bfloat16 and W8A8 at up to
+// kDirectRows rows), which prefetch like the float32 panels, every kDirectPrefetchStride bytes (the L2's stream
+// prefetcher fills the lines between): one L1 prefetch per line held the 600M model's batch-1 step at 0.90-0.92x
+// of that (bfloat16 29.5 against 31.3 GB/s, W8A8 28.3 against 30.8; the 56M: 0.92x, 0.91x). Their packed tiles
+// (more rows) keep every line into L1: this way they ran 0.78x (16 rows) and 0.93x (64).
 constexpr int64_t kPrefetchBytes = 8192;
 constexpr int64_t kFloat32PrefetchBytes = 16384;
+constexpr int64_t kDirectPrefetchStride = 256;
 
 // One panel: its rows' scales and zeros per group as 16-wide vectors, 0 for the padding rows: params[g][0..15]
 // scales, params[g][16..31] zeros. int4 weights carry them in this layout (packed once, with the weight); int8
@@ -578,7 +583,13 @@ void dot_tile(const uint8_t* x, int64_t units, int64_t u0, int64_t u1, const uin
   int64_t u = u0;
   for (; u + SPLIT <= u1; u += SPLIT) {
     PAGEDSERVE_UNROLL for (int s = 0; s < SPLIT; ++s) {
-      if (stream) _mm_prefetch(reinterpret_cast<const char*>(Dot::at(w, u + s)) + kPrefetchBytes, _MM_HINT_T0);
+      if (stream) {
+        const char* line = reinterpret_cast<const char*>(Dot::at(w, u + s));
+        if (PACKED)
+          _mm_prefetch(line + kPrefetchBytes, _MM_HINT_T0);
+        else if ((line - reinterpret_cast<const char*>(w)) % kDirectPrefetchStride == 0)
+          _mm_prefetch(line + kFloat32PrefetchBytes, _MM_HINT_T1);
+      }
       const typename Dot::Unit units_of_w = Dot::unit(w, u + s);
       PAGEDSERVE_UNROLL for (int m = 0; m < MB; ++m) acc[s][m] = Dot::dot(acc[s][m], x_unit(m, u + s), units_of_w);
     }
