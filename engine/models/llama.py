@@ -31,8 +31,10 @@ from engine.models.layers import (
 from engine.models.layers.direct_call import DirectCall
 from engine.models.layers.linear import copy_checked
 from engine.models.layers.quantization import QuantizationConfig
+from engine.models.layers.quantization.dense import DenseLinearMethod
 from ops.attention import AttentionBackend
 from ops.cpu import elementwise
+from ops.cpu.decode_stack import DecodeLayer, build_decode_stack
 
 # What a pipeline stage hands the next one: (hidden states, residual).
 IntermediateTensors = tuple[torch.Tensor, torch.Tensor]
@@ -128,6 +130,34 @@ class DecoderLayer(DirectCall, nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
+    def decode_layer(self) -> DecodeLayer | None:
+        """This layer's tensors for ops/cpu/decode_stack.cpp, which runs this class's forward for a decode step in
+        C++; None where that would compute something else: a subclass's forward, projections that LoRA wraps or a
+        quantized method computes, q/k norms, a sliding window, sinks, tensor parallelism, another activation or
+        rotary embedding, or no KV cache bound yet."""
+        attn, mlp = self.self_attn, self.mlp
+        if type(self) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP:
+            return None
+        projections = {attn.qkv_proj: QKVParallelLinear, attn.o_proj: RowParallelLinear,
+                       mlp.gate_up_proj: MergedColumnParallelLinear, mlp.down_proj: RowParallelLinear}
+        if (type(self.input_layernorm) is not RMSNorm or type(self.post_attention_layernorm) is not RMSNorm
+                or attn.q_norm is not None or attn.sliding_window or attn.sinks is not None
+                or type(attn.rope) is not RotaryEmbedding or attn.rope.interleaved or mlp.act is not F.silu
+                or attn.kv_cache.dim() != 5
+                or any(type(p) is not cls or type(p.quant_method) is not DenseLinearMethod or p.tp_size > 1
+                       or getattr(p, "packed_weight", None) is None for p, cls in projections.items())):
+            return None
+        dtype = attn.kv_cache.dtype
+        return DecodeLayer(self.input_layernorm.weight.to(dtype).contiguous(), attn.qkv_proj.packed_weight,
+                           _float_bias(attn.qkv_proj), attn.o_proj.packed_weight, _float_bias(attn.o_proj),
+                           self.post_attention_layernorm.weight.to(dtype).contiguous(), mlp.gate_up_proj.packed_weight,
+                           _float_bias(mlp.gate_up_proj), mlp.down_proj.packed_weight, _float_bias(mlp.down_proj),
+                           attn.kv_cache)
+
+
+def _float_bias(linear: nn.Module) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.float().contiguous()
+
 
 class LlamaModel(nn.Module):
     norm_cls: type[nn.Module] = RMSNorm
@@ -156,6 +186,28 @@ class LlamaModel(nn.Module):
         # This stage's layers as a plain tuple: slicing the ModuleList builds a new one, ~30 us every step.
         self.stage_layers: tuple[DecoderLayer, ...] = tuple(self.layers[self.start_layer : self.end_layer])
         self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps) if pp.is_last else None
+        self._decode_stack = None  # ops/cpu/decode_stack.py's, over the KV caches in _decode_stack_caches
+        self._decode_stack_caches: torch.Tensor | None = None
+
+    def decode_stack(self):
+        """This stage's layers as one C++ call for decode-only steps on CPU (ops/cpu/decode_stack.py), or None where
+        a layer does not qualify (DecoderLayer.decode_layer). Built at the first such step, once the worker has
+        bound the KV caches, and again whenever it binds new ones."""
+        caches = self.stage_layers[0].self_attn.kv_cache if self.stage_layers else None
+        if caches is not self._decode_stack_caches:
+            self._decode_stack_caches, self._decode_stack = caches, self._build_decode_stack()
+        return self._decode_stack
+
+    def _build_decode_stack(self):
+        layers = [layer.decode_layer() for layer in self.stage_layers]
+        if not layers or None in layers:
+            return None
+        eps = {n.eps for layer in self.stage_layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
+        attn = self.stage_layers[0].self_attn
+        if len(eps) > 1 or any(layer.self_attn.rope is not attn.rope for layer in self.stage_layers):
+            return None
+        return build_decode_stack(layers, attn.rope.cos, attn.rope.sin, eps.pop(), attn.scale, attn.num_heads,
+                                  attn.num_kv_heads, attn.head_dim)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -167,8 +219,13 @@ class LlamaModel(nn.Module):
             x, residual = (self.embed(input_ids) if inputs_embeds is None else inputs_embeds), None
         else:
             x, residual = intermediate
-        for layer in self.stage_layers:
-            x, residual = layer(positions, x, residual, backend)
+        plan = backend.cpu_decode_plan()
+        stack = self.decode_stack() if plan is not None else None
+        if stack is not None and positions.dtype == torch.int64 and positions.dim() == 1 and x.is_contiguous():
+            x, residual = stack.forward(x, residual, positions, *plan)
+        else:
+            for layer in self.stage_layers:
+                x, residual = layer(positions, x, residual, backend)
         if not self.is_last_stage:
             return x, residual
         x, _ = self.norm(x, residual)

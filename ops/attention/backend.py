@@ -103,3 +103,8 @@ class AttentionBackend(ABC):
         [num_tokens, num_heads, head_dim] causally over each sequence's context (with `sliding_window`, one of
         the backend's: over the last this-many positions, the query's own included; with `sinks` [num_heads],
         each head's learned logit joins its softmax's denominator). Returns q's shape."""
+
+    def cpu_decode_plan(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(block_tables int32, seq_lens int32, k_rows int64) of a planned step whose every token decodes, for
+        ops/cpu/decode_stack.py's one-call layers, where this backend runs the CPU kernels; else None."""
+        return None

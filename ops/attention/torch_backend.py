@@ -126,6 +126,13 @@ class TorchAttentionBackend(AttentionBackend):
             decode_ids = block_tables[:nd, : self._decode_num_blocks].reshape(-1).long() if gather else None
             self._tables[window] = _TablePlan(k_rows, v_rows, block_tables[:nd], decode_ids, prefill_ids)
 
+    def cpu_decode_plan(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        md = self.metadata
+        if self._cpu_kernels is None or not self._num_decodes == md.num_tokens == md.num_seqs or md.window_groups:
+            return None
+        tables = self._tables[None]
+        return tables.decode_tables, self._decode_lens, tables.k_rows
+
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the given blocks, each [num_blocks * block_size, kv_heads, head_dim]."""
         blocks = kv_cache.view(kv_cache.shape[0], -1).index_select(0, block_ids).view(-1, *kv_cache.shape[1:])

@@ -2,9 +2,10 @@
 build per CPU type; `make install` compiles them all ahead, side by side (`python -m ops.cpu`).
 
 `load_cpu_kernels()` (paged attention), `load_linear_kernels()` (linear layers over float32, int8 and int4
-weight panels), `load_moe_kernels()` (mixture-of-experts layers) and `load_elementwise_kernels()` (RMSNorm,
-rotary embeddings) return a compiled module. One module each: each rebuilds only when its own sources change,
-and a model compiles only the kernels it runs.
+weight panels), `load_moe_kernels()` (mixture-of-experts layers), `load_elementwise_kernels()` (RMSNorm,
+rotary embeddings) and `load_decode_stack()` (a decode step through a model's layers, calling the others' kernels)
+return a compiled module. One module each: each rebuilds only when its own sources change, and a model compiles
+only the kernels it runs.
 
 Where there is no toolchain (no compiler, or no ninja) they return None, after one warning naming every
 kernel lost, and callers fall back to their pure-torch paths. Where there is one, a kernel that fails to build
@@ -30,9 +31,10 @@ _KERNELS = {
     "linear": ("pagedserve_linear_kernels", "panel_linear.cpp"),
     "mixture-of-experts": ("pagedserve_moe_kernels", "fused_moe.cpp"),
     "elementwise (RMSNorm, rotary)": ("pagedserve_elementwise_kernels", "elementwise.cpp"),
+    "decode stack": ("pagedserve_decode_stack", "decode_stack.cpp"),
 }
 # torch keys a build by its sources only: the shared headers are part of our build signature
-_HEADERS = [Path(__file__).parent / h for h in ("work_sharing.h", "vec16.h", "fast_exp.h")]
+_HEADERS = [Path(__file__).parent / h for h in ("work_sharing.h", "vec16.h", "fast_exp.h", "kernel_capsules.h")]
 # Extra compiler flags, e.g. "-mno-avx512f" to build (and test) the AVX2 paths on an AVX-512 machine.
 _EXTRA_CFLAGS = os.environ.get("PAGEDSERVE_CPU_CFLAGS", "").split()
 
@@ -114,6 +116,11 @@ def load_moe_kernels():
 @functools.cache
 def load_elementwise_kernels():
     return _load("elementwise (RMSNorm, rotary)")
+
+
+@functools.cache
+def load_decode_stack():
+    return _load("decode stack")
 
 
 _build_errors: dict[str, KernelBuildError] = {}  # a kernel that failed to build is not rebuilt at every call

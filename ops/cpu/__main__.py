@@ -13,6 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 from ops.cpu import (
     KernelBuildError,
     load_cpu_kernels,
+    load_decode_stack,
     load_elementwise_kernels,
     load_linear_kernels,
     load_moe_kernels,
@@ -30,7 +31,7 @@ def _build(loader) -> str | None:
 
 
 def main() -> int:
-    loaders = [load_cpu_kernels, load_linear_kernels, load_moe_kernels, load_elementwise_kernels]
+    loaders = [load_cpu_kernels, load_linear_kernels, load_moe_kernels, load_elementwise_kernels, load_decode_stack]
     if missing_toolchain():
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
         for load in loaders:  # None each, after one warning naming every kernel lost

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "kernel_capsules.h"
 #include "work_sharing.h"
 
 namespace {
@@ -166,6 +167,11 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // for decode_stack.cpp
+  m.attr("rms_norm_kernel") = pagedserve::kernel_capsule<pagedserve::RmsNormKernel>(&rms_norm, "RmsNormKernel");
+  m.attr("rotary_neox_kernel") = pagedserve::kernel_capsule<pagedserve::RotaryKernel>(&rotary_neox, "RotaryKernel");
+  m.attr("silu_and_mul_kernel") =
+      pagedserve::kernel_capsule<pagedserve::SiluAndMulKernel>(&silu_and_mul, "SiluAndMulKernel");
   m.def("rms_norm", &rms_norm, "RMSNorm, after adding the residual when one is given (CPU)");
   m.def("rotary_neox", &rotary_neox, "Neox-style rotary embedding, in place when out is x (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of x = [gate, up] (CPU)");

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "kernel_capsules.h"
 #include "work_sharing.h"
 
 namespace {
@@ -201,6 +202,10 @@ void store_kv(at::Tensor cache, at::Tensor k, at::Tensor v, at::Tensor k_rows) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // for decode_stack.cpp
+  m.attr("store_kv_kernel") = pagedserve::kernel_capsule<pagedserve::StoreKvKernel>(&store_kv, "StoreKvKernel");
+  m.attr("paged_decode_attention_kernel") =
+      pagedserve::kernel_capsule<pagedserve::DecodeAttentionKernel>(&paged_decode_attention, "DecodeAttentionKernel");
   m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over a paged KV cache (CPU)");
   m.def("store_kv", &store_kv, "A step's K and V into the paged KV cache at their rows (CPU)");
 }

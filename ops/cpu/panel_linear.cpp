@@ -62,6 +62,7 @@
 #include <optional>
 #include <vector>
 
+#include "kernel_capsules.h"
 #include "vec16.h"
 #include "work_sharing.h"
 
@@ -1011,6 +1012,10 @@ pybind11::dict instruction_sets() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // for decode_stack.cpp
+  m.attr("float32_linear_kernel") = pagedserve::kernel_capsule<pagedserve::LinearKernel>(&float32_linear, "LinearKernel");
+  m.attr("bfloat16_linear_kernel") =
+      pagedserve::kernel_capsule<pagedserve::LinearKernel>(&bfloat16_linear, "LinearKernel");
   m.def("bfloat16_linear", &bfloat16_linear, "Linear over bfloat16 weight panels, bfloat16 x (CPU, float32 out)");
   m.def("w8a8_linear", &w8a8_linear, "int8 weights x per-row dynamic int8 activations (CPU, float32)");
   m.def("w4a8_linear", &w4a8_linear, "grouped int4 weights x per-row dynamic int8 activations (CPU, float32)");

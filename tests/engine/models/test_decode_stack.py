@@ -1,0 +1,78 @@
+"""Decode-only steps on CPU run a Llama model's layers in one C++ call (ops/cpu/decode_stack.py): the same kernels in
+the same order as the Python layers, so tokens and logprobs must be the same bit for bit; layers that compute
+something else (LoRA, quantized methods) keep the Python path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.models.llama import LlamaModel
+from ops.cpu import load_decode_stack, load_elementwise_kernels, missing_toolchain
+from ops.cpu.linear import bfloat16_panels_preferred
+
+pytestmark = pytest.mark.skipif(bool(missing_toolchain()), reason="no compiler: no CPU kernels")
+
+PROMPTS = [[1, 5, 9, 200, 31], [1, 77, 3], [1, *range(400, 420)]]
+
+
+def _llm(**kwargs) -> LLM:
+    # No prefix caching: a second run of a prompt would prefill less of it, through another attention path.
+    return LLM("pagedserve-tiny", num_kv_blocks=64, max_num_seqs=4, max_model_len=256, enable_prefix_caching=False,
+               **kwargs)
+
+
+def _model(llm: LLM) -> LlamaModel:
+    return llm.llm_engine.core.executor.driver_worker.model.model
+
+
+def _run(llm: LLM) -> list[tuple[list[int], list[list]]]:
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    return [(o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_steps_through_the_stack_match_the_python_layers(dtype, monkeypatch):
+    if dtype == "bfloat16" and not bfloat16_panels_preferred():
+        pytest.skip("bfloat16 weights go to oneDNN on this CPU: no bfloat16 panels for the stack")
+    llm = _llm(dtype=dtype)
+    calls = []
+    stack = _model(llm).decode_stack
+    monkeypatch.setattr(LlamaModel, "decode_stack", lambda self: calls.append(1) or stack())
+    fused = _run(llm)
+    assert _model(llm)._decode_stack is not None and len(calls) >= 23  # every decode step of the longest request
+    monkeypatch.setattr(LlamaModel, "decode_stack", lambda self: None)
+    assert _run(llm) == fused
+
+
+def test_decode_batches_past_a_linear_call_s_rows_split_as_the_python_path_does(monkeypatch):
+    llm = LLM("pagedserve-tiny", dtype="float32", num_kv_blocks=600, max_num_seqs=520, max_model_len=64,
+              max_num_batched_tokens=2048, enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": [1, 3 + i % 500, 7]} for i in range(520)]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=1)
+
+    def run():
+        return [[sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs]
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    fused = run()
+    assert _model(llm)._decode_stack is not None
+    monkeypatch.setattr(LlamaModel, "decode_stack", lambda self: None)
+    assert run() == fused
+
+
+@pytest.mark.parametrize("kwargs", [{"quantization": "w8a8"}, {"enable_lora": True}], ids=["w8a8", "lora"])
+def test_layers_that_compute_otherwise_keep_the_python_path(kwargs):
+    llm = _llm(dtype="float32", **kwargs)
+    _run(llm)
+    assert _model(llm).decode_stack() is None
+
+
+def test_a_capsule_of_another_kernel_is_refused():
+    elementwise = load_elementwise_kernels()
+    capsules = [elementwise.rms_norm_kernel] * 6
+    with pytest.raises(RuntimeError, match="expected a LinearKernel kernel capsule, got RmsNormKernel"):
+        load_decode_stack().DecodeStack(*capsules, [], torch.zeros(4, 2), torch.zeros(4, 2), 1e-5, 1.0, 2, 1, 4)
