@@ -31,7 +31,6 @@ from engine.models.layers import (
 from engine.models.layers.direct_call import DirectCall
 from engine.models.layers.linear import copy_checked
 from engine.models.layers.quantization import QuantizationConfig
-from engine.models.layers.quantization.dense import DenseLinearMethod
 from ops.attention import AttentionBackend
 from ops.cpu import elementwise
 from ops.cpu.decode_stack import DecodeLayer, build_decode_stack
@@ -132,31 +131,25 @@ class DecoderLayer(DirectCall, nn.Module):
 
     def decode_layer(self) -> DecodeLayer | None:
         """This layer's tensors for ops/cpu/decode_stack.cpp, which runs this class's forward for a decode step in
-        C++; None where that would compute something else: a subclass's forward, projections that LoRA wraps or a
-        quantized method computes, q/k norms, a sliding window, sinks, tensor parallelism, another activation or
-        rotary embedding, or no KV cache bound yet."""
+        C++; None where that would compute something else: a subclass's forward, projections that LoRA wraps or
+        whose method has no kernel there, q/k norms, a sliding window, sinks, tensor parallelism, another activation
+        or rotary embedding, or no KV cache bound yet."""
         attn, mlp = self.self_attn, self.mlp
-        if type(self) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP:
-            return None
-        projections = {attn.qkv_proj: QKVParallelLinear, attn.o_proj: RowParallelLinear,
-                       mlp.gate_up_proj: MergedColumnParallelLinear, mlp.down_proj: RowParallelLinear}
-        if (type(self.input_layernorm) is not RMSNorm or type(self.post_attention_layernorm) is not RMSNorm
+        if (type(self) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP
+                or type(self.input_layernorm) is not RMSNorm or type(self.post_attention_layernorm) is not RMSNorm
                 or attn.q_norm is not None or attn.sliding_window or attn.sinks is not None
                 or type(attn.rope) is not RotaryEmbedding or attn.rope.interleaved or mlp.act is not F.silu
-                or attn.kv_cache.dim() != 5
-                or any(type(p) is not cls or type(p.quant_method) is not DenseLinearMethod or p.tp_size > 1
-                       or getattr(p, "packed_weight", None) is None for p, cls in projections.items())):
+                or attn.kv_cache.dim() != 5):
+            return None
+        kinds = {attn.qkv_proj: QKVParallelLinear, attn.o_proj: RowParallelLinear,
+                 mlp.gate_up_proj: MergedColumnParallelLinear, mlp.down_proj: RowParallelLinear}
+        projections = [p.decode_projection() if type(p) is kind else None for p, kind in kinds.items()]
+        if None in projections:
             return None
         dtype = attn.kv_cache.dtype
-        return DecodeLayer(self.input_layernorm.weight.to(dtype).contiguous(), attn.qkv_proj.packed_weight,
-                           _float_bias(attn.qkv_proj), attn.o_proj.packed_weight, _float_bias(attn.o_proj),
-                           self.post_attention_layernorm.weight.to(dtype).contiguous(), mlp.gate_up_proj.packed_weight,
-                           _float_bias(mlp.gate_up_proj), mlp.down_proj.packed_weight, _float_bias(mlp.down_proj),
-                           attn.kv_cache)
-
-
-def _float_bias(linear: nn.Module) -> torch.Tensor | None:
-    return None if linear.bias is None else linear.bias.float().contiguous()
+        qkv, o, gate_up, down = projections
+        return DecodeLayer(self.input_layernorm.weight.to(dtype).contiguous(), qkv, o,
+                           self.post_attention_layernorm.weight.to(dtype).contiguous(), gate_up, down, attn.kv_cache)
 
 
 class LlamaModel(nn.Module):
@@ -203,11 +196,13 @@ class LlamaModel(nn.Module):
         if not layers or None in layers:
             return None
         eps = {n.eps for layer in self.stage_layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
-        attn = self.stage_layers[0].self_attn
+        first = self.stage_layers[0]
+        attn = first.self_attn
         if len(eps) > 1 or any(layer.self_attn.rope is not attn.rope for layer in self.stage_layers):
             return None
-        return build_decode_stack(layers, attn.rope.cos, attn.rope.sin, eps.pop(), attn.scale, attn.num_heads,
-                                  attn.num_kv_heads, attn.head_dim)
+        return build_decode_stack(layers, attn.rope.cos, attn.rope.sin, eps.pop(), attn.scale,
+                                  first.input_layernorm.weight.numel(), first.mlp.down_proj.input_size_per_partition,
+                                  attn.num_heads, attn.num_kv_heads, attn.head_dim)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <optional>
+#include <stdexcept>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -21,22 +23,37 @@ namespace {
 
 constexpr int64_t kRowBlock = 512;  // rows of x per linear call: ops/cpu/linear.py's ROW_BLOCK says why
 
+// A linear layer: which of panel_linear.cpp's kernels computes it, with what (ops/cpu/decode_stack.py's Projection).
+enum class Kernel { kFloat32, kBfloat16, kW8A8, kW4A8 };
+struct Projection {
+  Kernel kernel;
+  at::Tensor weight;
+  std::optional<at::Tensor> scales;
+  int64_t group;
+  std::optional<at::Tensor> bias;
+};
+using ProjectionArgs = std::tuple<std::string, at::Tensor, std::optional<at::Tensor>, int64_t, std::optional<at::Tensor>>;
+
 // A layer's tensors, in the order the constructor takes them (ops/cpu/decode_stack.py's DecodeLayer).
 struct Layer {
-  at::Tensor input_norm, qkv;
-  std::optional<at::Tensor> qkv_bias;
-  at::Tensor o;
-  std::optional<at::Tensor> o_bias;
-  at::Tensor post_norm, gate_up;
-  std::optional<at::Tensor> gate_up_bias;
-  at::Tensor down;
-  std::optional<at::Tensor> down_bias;
+  at::Tensor input_norm;
+  Projection qkv, o;
+  at::Tensor post_norm;
+  Projection gate_up, down;
   at::Tensor kv_cache;
 };
+using LayerArgs = std::tuple<at::Tensor, ProjectionArgs, ProjectionArgs, at::Tensor, ProjectionArgs, ProjectionArgs,
+                             at::Tensor>;
 
-using LayerTensors = std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, at::Tensor, std::optional<at::Tensor>,
-                                at::Tensor, at::Tensor, std::optional<at::Tensor>, at::Tensor, std::optional<at::Tensor>,
-                                at::Tensor>;
+Projection projection_of(const ProjectionArgs& args, at::ScalarType dtype) {
+  const auto& [name, weight, scales, group, bias] = args;
+  const Kernel kernel = name == "float32" ? Kernel::kFloat32 : name == "bfloat16" ? Kernel::kBfloat16
+                        : name == "w8a8" ? Kernel::kW8A8 : name == "w4a8" ? Kernel::kW4A8
+                        : throw std::invalid_argument("DecodeStack: no linear kernel " + name);
+  TORCH_CHECK(kernel == Kernel::kFloat32 || kernel == Kernel::kBfloat16 || (scales && dtype == at::kFloat),
+              "DecodeStack: ", name, " projections take scales, and float32 models");
+  return {kernel, weight, scales, group, bias};
+}
 
 struct Shape {
   int64_t hidden, intermediate, heads, kv_heads, head_dim;
@@ -44,30 +61,31 @@ struct Shape {
 
 class DecodeStack {
  public:
-  DecodeStack(const pybind11::capsule& linear, const pybind11::capsule& rms_norm, const pybind11::capsule& rotary,
-              const pybind11::capsule& silu_and_mul, const pybind11::capsule& store_kv,
-              const pybind11::capsule& attention, const std::vector<LayerTensors>& layers, at::Tensor cos,
-              at::Tensor sin, double eps, double scale, int64_t heads, int64_t kv_heads, int64_t head_dim)
-      : linear_(pagedserve::kernel_of<pagedserve::LinearKernel>(linear, "LinearKernel")),
-        rms_norm_(pagedserve::kernel_of<pagedserve::RmsNormKernel>(rms_norm, "RmsNormKernel")),
-        rotary_(pagedserve::kernel_of<pagedserve::RotaryKernel>(rotary, "RotaryKernel")),
-        silu_and_mul_(pagedserve::kernel_of<pagedserve::SiluAndMulKernel>(silu_and_mul, "SiluAndMulKernel")),
-        store_kv_(pagedserve::kernel_of<pagedserve::StoreKvKernel>(store_kv, "StoreKvKernel")),
-        attention_(pagedserve::kernel_of<pagedserve::DecodeAttentionKernel>(attention, "DecodeAttentionKernel")),
-        cos_(std::move(cos)), sin_(std::move(sin)), eps_(eps), scale_(scale) {
+  // kernels: each kernel's capsule by its name in kernel_capsules.h's modules (float32_linear, ..., store_kv).
+  DecodeStack(const pybind11::dict& kernels, const std::vector<LayerArgs>& layers, at::Tensor cos, at::Tensor sin,
+              double eps, double scale, int64_t hidden, int64_t intermediate, int64_t heads, int64_t kv_heads,
+              int64_t head_dim)
+      : float32_(kernel<pagedserve::LinearKernel>(kernels, "float32_linear", "LinearKernel")),
+        bfloat16_(kernel<pagedserve::LinearKernel>(kernels, "bfloat16_linear", "LinearKernel")),
+        w8a8_(kernel<pagedserve::W8A8Kernel>(kernels, "w8a8_linear", "W8A8Kernel")),
+        w4a8_(kernel<pagedserve::W4A8Kernel>(kernels, "w4a8_linear", "W4A8Kernel")),
+        rms_norm_(kernel<pagedserve::RmsNormKernel>(kernels, "rms_norm", "RmsNormKernel")),
+        rotary_(kernel<pagedserve::RotaryKernel>(kernels, "rotary_neox", "RotaryKernel")),
+        silu_and_mul_(kernel<pagedserve::SiluAndMulKernel>(kernels, "silu_and_mul", "SiluAndMulKernel")),
+        store_kv_(kernel<pagedserve::StoreKvKernel>(kernels, "store_kv", "StoreKvKernel")),
+        attention_(kernel<pagedserve::DecodeAttentionKernel>(kernels, "paged_decode_attention",
+                                                             "DecodeAttentionKernel")),
+        cos_(std::move(cos)), sin_(std::move(sin)), eps_(eps), scale_(scale),
+        shape_{hidden, intermediate, heads, kv_heads, head_dim} {
     TORCH_CHECK(!layers.empty(), "DecodeStack: no layers");
-    for (const LayerTensors& t : layers) {
-      layers_.push_back({std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t), std::get<4>(t),
-                         std::get<5>(t), std::get<6>(t), std::get<7>(t), std::get<8>(t), std::get<9>(t),
-                         std::get<10>(t)});
-    }
-    const at::Tensor& norm = layers_[0].input_norm;
-    dtype_ = norm.scalar_type();
-    shape_ = {norm.numel(), 0, heads, kv_heads, head_dim};
-    // The linear kernels' panels say their output features (16 per panel); the caller checked they are exact.
-    shape_.intermediate = layers_[0].down.size(1) * (layers_[0].down.dim() == 4 ? 2 : 1);
     TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 2 == 0,
                 "DecodeStack: heads a multiple of kv_heads, head_dim even");
+    dtype_ = std::get<0>(layers[0]).scalar_type();
+    for (const LayerArgs& t : layers) {
+      layers_.push_back({std::get<0>(t), projection_of(std::get<1>(t), dtype_), projection_of(std::get<2>(t), dtype_),
+                         std::get<3>(t), projection_of(std::get<4>(t), dtype_), projection_of(std::get<5>(t), dtype_),
+                         std::get<6>(t)});
+    }
     for (const Layer& l : layers_) {
       TORCH_CHECK(l.input_norm.scalar_type() == dtype_ && l.post_norm.scalar_type() == dtype_ &&
                       l.kv_cache.scalar_type() == dtype_ && l.input_norm.numel() == shape_.hidden &&
@@ -90,11 +108,10 @@ class DecodeStack {
     const auto empty = [&](std::initializer_list<int64_t> sizes) {
       return at::detail::empty_cpu(sizes, dtype_, false, std::nullopt);
     };
-    const auto linear = [&](const at::Tensor& out, const at::Tensor& in, const at::Tensor& w,
-                            const std::optional<at::Tensor>& bias) {
+    const auto linear = [&](const at::Tensor& out, const at::Tensor& in, const Projection& p) {
       for (int64_t r = 0; r < n; r += kRowBlock) {
         const int64_t rows = std::min(kRowBlock, n - r);
-        linear_(rows == n ? out : out.narrow(0, r, rows), rows == n ? in : in.narrow(0, r, rows), w, bias);
+        project(p, rows == n ? out : out.narrow(0, r, rows), rows == n ? in : in.narrow(0, r, rows));
       }
     };
     at::Tensor res = residual ? *residual : at::Tensor();
@@ -109,7 +126,7 @@ class DecodeStack {
         res = x;
       }
       at::Tensor qkv = empty({n, qkv_width});
-      linear(qkv, h, l.qkv, l.qkv_bias);
+      linear(qkv, h, l.qkv);
       // q's heads then k's, side by side in qkv: rotated in place, together
       at::Tensor qk = qkv.as_strided({n, s.heads + s.kv_heads, D}, {qkv_width, D, 1});
       rotary_(qk, qk, positions, cos_, sin_);
@@ -120,23 +137,40 @@ class DecodeStack {
       at::Tensor attended = empty({n, s.heads, D});
       attention_(attended, q, l.kv_cache, block_tables, seq_lens, scale_, 0, no_sinks_);
       at::Tensor o = empty({n, s.hidden});
-      linear(o, attended.view({n, s.heads * D}), l.o, l.o_bias);
+      linear(o, attended.view({n, s.heads * D}), l.o);
       h = empty({n, s.hidden});
       at::Tensor sum = empty({n, s.hidden});
       rms_norm_(h, sum, o, res, l.post_norm, eps_);
       res = sum;
       at::Tensor gate_up = empty({n, 2 * s.intermediate});
-      linear(gate_up, h, l.gate_up, l.gate_up_bias);
+      linear(gate_up, h, l.gate_up);
       at::Tensor act = empty({n, s.intermediate});
       silu_and_mul_(act, gate_up);
       x = empty({n, s.hidden});
-      linear(x, act, l.down, l.down_bias);
+      linear(x, act, l.down);
     }
     return {x, res};
   }
 
  private:
-  pagedserve::LinearKernel linear_;
+  template <typename Kernel>
+  static Kernel kernel(const pybind11::dict& kernels, const char* name, const char* signature) {
+    TORCH_CHECK(kernels.contains(name), "DecodeStack: no ", name, " kernel given");
+    return pagedserve::kernel_of<Kernel>(kernels[name].cast<pybind11::capsule>(), signature);
+  }
+
+  void project(const Projection& p, const at::Tensor& out, const at::Tensor& x) const {
+    switch (p.kernel) {
+      case Kernel::kFloat32: return float32_(out, x, p.weight, p.bias);
+      case Kernel::kBfloat16: return bfloat16_(out, x, p.weight, p.bias);
+      case Kernel::kW8A8: return w8a8_(out, x, p.weight, *p.scales, p.bias);
+      case Kernel::kW4A8: return w4a8_(out, x, p.weight, *p.scales, p.group, p.bias);
+    }
+  }
+
+  pagedserve::LinearKernel float32_, bfloat16_;
+  pagedserve::W8A8Kernel w8a8_;
+  pagedserve::W4A8Kernel w4a8_;
   pagedserve::RmsNormKernel rms_norm_;
   pagedserve::RotaryKernel rotary_;
   pagedserve::SiluAndMulKernel silu_and_mul_;
@@ -154,9 +188,7 @@ class DecodeStack {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<const pybind11::capsule&, const pybind11::capsule&, const pybind11::capsule&,
-                          const pybind11::capsule&, const pybind11::capsule&, const pybind11::capsule&,
-                          const std::vector<LayerTensors>&, at::Tensor, at::Tensor, double, double, int64_t, int64_t,
-                          int64_t>())
+      .def(pybind11::init<const pybind11::dict&, const std::vector<LayerArgs>&, at::Tensor, at::Tensor, double, double,
+                          int64_t, int64_t, int64_t, int64_t, int64_t>())
       .def("forward", &DecodeStack::forward, "A decode step through every layer: (hidden states, residual)");
 }

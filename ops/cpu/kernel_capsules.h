@@ -14,6 +14,10 @@ namespace pagedserve {
 
 // out [M, N] = x [M, K] times a panel weight, plus the bias (ops/cpu/panel_linear.cpp)
 using LinearKernel = void (*)(at::Tensor out, at::Tensor x, at::Tensor weight, std::optional<at::Tensor> bias);
+using W8A8Kernel = void (*)(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor scales,
+                            std::optional<at::Tensor> bias);
+using W4A8Kernel = void (*)(at::Tensor out, at::Tensor x, at::Tensor weight, at::Tensor scales, int64_t group,
+                            std::optional<at::Tensor> bias);
 // ops/cpu/elementwise.cpp
 using RmsNormKernel = void (*)(at::Tensor& out, std::optional<at::Tensor> residual_out, const at::Tensor& x,
                                std::optional<at::Tensor> residual, const at::Tensor& weight, double eps);

@@ -1016,6 +1016,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("float32_linear_kernel") = pagedserve::kernel_capsule<pagedserve::LinearKernel>(&float32_linear, "LinearKernel");
   m.attr("bfloat16_linear_kernel") =
       pagedserve::kernel_capsule<pagedserve::LinearKernel>(&bfloat16_linear, "LinearKernel");
+  m.attr("w8a8_linear_kernel") = pagedserve::kernel_capsule<pagedserve::W8A8Kernel>(&w8a8_linear, "W8A8Kernel");
+  m.attr("w4a8_linear_kernel") = pagedserve::kernel_capsule<pagedserve::W4A8Kernel>(&w4a8_linear, "W4A8Kernel");
   m.def("bfloat16_linear", &bfloat16_linear, "Linear over bfloat16 weight panels, bfloat16 x (CPU, float32 out)");
   m.def("w8a8_linear", &w8a8_linear, "int8 weights x per-row dynamic int8 activations (CPU, float32)");
   m.def("w4a8_linear", &w4a8_linear, "grouped int4 weights x per-row dynamic int8 activations (CPU, float32)");

@@ -11,6 +11,8 @@ through `weight_loader`, which narrows each tensor to this rank's part before it
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -19,6 +21,7 @@ from engine.models.checkpoint import CheckpointTensor
 from engine.models.layers.direct_call import DirectCall
 from engine.models.layers.quantization.base import QuantizationConfig, set_weight_attrs
 from engine.models.layers.quantization.dense import DenseLinearMethod
+from ops.cpu.decode_stack import Projection
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -79,6 +82,14 @@ class LinearBase(DirectCall, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
+
+    def decode_projection(self) -> Projection | None:
+        """This layer as ops/cpu/decode_stack.cpp computes it (its method's kernel and a float32 bias), or None:
+        not under tensor parallelism (no all-reduce there), nor where its method has no kernel in it."""
+        projection = self.quant_method.decode_projection(self) if self.tp_size == 1 else None
+        if projection is None or self.bias is None:
+            return projection
+        return replace(projection, bias=self.bias.float().contiguous())
 
 
 class ReplicatedLinear(LinearBase):

@@ -1,6 +1,6 @@
 """Decode-only steps on CPU run a Llama model's layers in one C++ call (ops/cpu/decode_stack.py): the same kernels in
 the same order as the Python layers, so tokens and logprobs must be the same bit for bit; layers that compute
-something else (LoRA, quantized methods) keep the Python path."""
+something else (LoRA, W8A8 on a bfloat16 model) keep the Python path."""
 
 from __future__ import annotations
 
@@ -34,11 +34,12 @@ def _run(llm: LLM) -> list[tuple[list[int], list[list]]]:
             for o in outs]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_steps_through_the_stack_match_the_python_layers(dtype, monkeypatch):
+@pytest.mark.parametrize("dtype, quantization", [("float32", None), ("bfloat16", None), ("float32", "w8a8"),
+                                                 ("float32", "w4a8")])
+def test_decode_steps_through_the_stack_match_the_python_layers(dtype, quantization, monkeypatch):
     if dtype == "bfloat16" and not bfloat16_panels_preferred():
         pytest.skip("bfloat16 weights go to oneDNN on this CPU: no bfloat16 panels for the stack")
-    llm = _llm(dtype=dtype)
+    llm = _llm(dtype=dtype, quantization=quantization)
     calls = []
     stack = _model(llm).decode_stack
     monkeypatch.setattr(LlamaModel, "decode_stack", lambda self: calls.append(1) or stack())
@@ -64,15 +65,15 @@ def test_decode_batches_past_a_linear_call_s_rows_split_as_the_python_path_does(
     assert run() == fused
 
 
-@pytest.mark.parametrize("kwargs", [{"quantization": "w8a8"}, {"enable_lora": True}], ids=["w8a8", "lora"])
+@pytest.mark.parametrize("kwargs", [{"dtype": "bfloat16", "quantization": "w8a8"},
+                                    {"dtype": "float32", "enable_lora": True}], ids=["bfloat16-w8a8", "lora"])
 def test_layers_that_compute_otherwise_keep_the_python_path(kwargs):
-    llm = _llm(dtype="float32", **kwargs)
+    llm = _llm(**kwargs)
     _run(llm)
     assert _model(llm).decode_stack() is None
 
 
 def test_a_capsule_of_another_kernel_is_refused():
-    elementwise = load_elementwise_kernels()
-    capsules = [elementwise.rms_norm_kernel] * 6
+    kernels = {"float32_linear": load_elementwise_kernels().rms_norm_kernel}
     with pytest.raises(RuntimeError, match="expected a LinearKernel kernel capsule, got RmsNormKernel"):
-        load_decode_stack().DecodeStack(*capsules, [], torch.zeros(4, 2), torch.zeros(4, 2), 1e-5, 1.0, 2, 1, 4)
+        load_decode_stack().DecodeStack(kernels, [], torch.zeros(4, 2), torch.zeros(4, 2), 1e-5, 1.0, 8, 16, 2, 1, 4)

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ops.cpu.decode_stack import Projection
+
 
 def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:
     for key, value in attrs.items():
@@ -42,6 +44,11 @@ class QuantMethod(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [tokens, input_size_per_partition] -> [tokens, sum(output_partition_sizes)]."""
+
+    def decode_projection(self, layer: nn.Module) -> Projection | None:
+        """`apply` as ops/cpu/decode_stack.cpp's kernels compute it (its bias aside), or None where they do not:
+        the layers of a step then run in Python."""
+        return None
 
 
 class QuantizationConfig(ABC):

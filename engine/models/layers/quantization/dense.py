@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.layers.quantization.base import QuantMethod, set_weight_attrs
+from ops.cpu.decode_stack import Projection
 from ops.cpu.linear import pack_weight, packed_linear, packing_available
 
 
@@ -33,3 +34,8 @@ class DenseLinearMethod(QuantMethod):
         if packed is not None:
             return packed_linear(x, packed, bias)
         return F.linear(x, layer.weight, bias)
+
+    def decode_projection(self, layer: nn.Module) -> Projection | None:
+        packed = getattr(layer, "packed_weight", None)
+        kernel = {3: "float32", 4: "bfloat16"}.get(packed.dim()) if packed is not None else None  # not oneDNN's
+        return Projection(kernel, packed) if kernel else None

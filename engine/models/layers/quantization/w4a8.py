@@ -19,6 +19,7 @@ from torch import nn
 from engine.models.layers.quantization.base import QuantMethod
 from engine.models.layers.quantization.online import int4_group_size
 from engine.models.layers.quantization.weight_only import quant_kernels_available, quant_param
+from ops.cpu.decode_stack import Projection
 from ops.cpu.quant_linear import pack_w4a8, quantize_activations, w4a8_linear
 
 
@@ -64,3 +65,8 @@ class OnlineW4A8Method(QuantMethod):
         if bias is not None:
             out += bias
         return out.to(x.dtype).view(*x.shape[:-1], layer.out_features)
+
+    def decode_projection(self, layer: nn.Module) -> Projection | None:
+        if not hasattr(layer, "w4a8_weight") or layer.params_dtype != torch.float32:
+            return None
+        return Projection("w4a8", layer.w4a8_weight, layer.w4a8_scales, layer.w4a8_group)

@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.models.layers.quantization.base import QuantMethod
 from engine.models.layers.quantization.weight_only import quant_kernels_available
+from ops.cpu.decode_stack import Projection
 from ops.cpu.quant_linear import pack_w8a8, quantize_activations, w8a8_linear
 
 
@@ -62,3 +63,8 @@ class W8A8Method(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return w8a8_apply(layer.w8a8_weight, layer.weight_scales, x, bias)
+
+    def decode_projection(self, layer: nn.Module) -> Projection | None:
+        if layer.w8a8_weight.dim() != 4 or layer.params_dtype != torch.float32:
+            return None
+        return Projection("w8a8", layer.w8a8_weight, layer.weight_scales)
