@@ -139,7 +139,7 @@ class DecoderLayer(DirectCall, nn.Module):
                 or type(self.input_layernorm) is not RMSNorm or type(self.post_attention_layernorm) is not RMSNorm
                 or attn.q_norm is not None or attn.sliding_window or attn.sinks is not None
                 or type(attn.rope) is not RotaryEmbedding or attn.rope.interleaved or mlp.act is not F.silu
-                or attn.kv_cache.dim() != 5):
+                or attn.kv_cache.dim() != 5 or attn.kv_cache.dtype not in (torch.float32, torch.bfloat16)):
             return None
         kinds = {attn.qkv_proj: QKVParallelLinear, attn.o_proj: RowParallelLinear,
                  mlp.gate_up_proj: MergedColumnParallelLinear, mlp.down_proj: RowParallelLinear}

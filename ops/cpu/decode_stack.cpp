@@ -45,14 +45,19 @@ struct Layer {
 using LayerArgs = std::tuple<at::Tensor, ProjectionArgs, ProjectionArgs, at::Tensor, ProjectionArgs, ProjectionArgs,
                              at::Tensor>;
 
-Projection projection_of(const ProjectionArgs& args, at::ScalarType dtype) {
+Projection projection_of(const ProjectionArgs& args) {
   const auto& [name, weight, scales, group, bias] = args;
   const Kernel kernel = name == "float32" ? Kernel::kFloat32 : name == "bfloat16" ? Kernel::kBfloat16
                         : name == "w8a8" ? Kernel::kW8A8 : name == "w4a8" ? Kernel::kW4A8
                         : throw std::invalid_argument("DecodeStack: no linear kernel " + name);
-  TORCH_CHECK(kernel == Kernel::kFloat32 || kernel == Kernel::kBfloat16 || (scales && dtype == at::kFloat),
-              "DecodeStack: ", name, " projections take scales, and float32 models");
+  TORCH_CHECK(kernel == Kernel::kFloat32 || kernel == Kernel::kBfloat16 || scales, "DecodeStack: ", name,
+              " projections take scales");
   return {kernel, weight, scales, group, bias};
+}
+
+// The W8A8 and W4A8 kernels quantize float32 rows of x (a bfloat16 model's widened first, as ops/cpu/linear.py does)
+at::Tensor float32(const at::Tensor& x) {
+  return x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
 }
 
 struct Shape {
@@ -82,9 +87,8 @@ class DecodeStack {
                 "DecodeStack: heads a multiple of kv_heads, head_dim even");
     dtype_ = std::get<0>(layers[0]).scalar_type();
     for (const LayerArgs& t : layers) {
-      layers_.push_back({std::get<0>(t), projection_of(std::get<1>(t), dtype_), projection_of(std::get<2>(t), dtype_),
-                         std::get<3>(t), projection_of(std::get<4>(t), dtype_), projection_of(std::get<5>(t), dtype_),
-                         std::get<6>(t)});
+      layers_.push_back({std::get<0>(t), projection_of(std::get<1>(t)), projection_of(std::get<2>(t)), std::get<3>(t),
+                         projection_of(std::get<4>(t)), projection_of(std::get<5>(t)), std::get<6>(t)});
     }
     for (const Layer& l : layers_) {
       TORCH_CHECK(l.input_norm.scalar_type() == dtype_ && l.post_norm.scalar_type() == dtype_ &&
@@ -163,8 +167,8 @@ class DecodeStack {
     switch (p.kernel) {
       case Kernel::kFloat32: return float32_(out, x, p.weight, p.bias);
       case Kernel::kBfloat16: return bfloat16_(out, x, p.weight, p.bias);
-      case Kernel::kW8A8: return w8a8_(out, x, p.weight, *p.scales, p.bias);
-      case Kernel::kW4A8: return w4a8_(out, x, p.weight, *p.scales, p.group, p.bias);
+      case Kernel::kW8A8: return w8a8_(out, float32(x), p.weight, *p.scales, p.bias);
+      case Kernel::kW4A8: return w4a8_(out, float32(x), p.weight, *p.scales, p.group, p.bias);
     }
   }
 

@@ -19,9 +19,9 @@ _ATTENTION_KERNELS = ("store_kv", "paged_decode_attention")
 
 @dataclass(frozen=True)
 class Projection:
-    """A linear layer as decode_stack.cpp computes it: `kernel`, one of panel_linear.cpp's float32, bfloat16 (x in
-    the model's dtype), w8a8 or w4a8 (float32 models only) linear kernels, over `weight` (and `scales`, `group`) as
-    ops/cpu/linear.py and quant_linear.py pack them, plus a float32 `bias`."""
+    """A linear layer as decode_stack.cpp computes it: `kernel`, one of panel_linear.cpp's float32, bfloat16, w8a8
+    or w4a8 linear kernels, over `weight` (and `scales`, `group`) as ops/cpu/linear.py and quant_linear.py pack them,
+    plus a float32 `bias`."""
 
     kernel: str
     weight: torch.Tensor

@@ -67,6 +67,6 @@ class OnlineW4A8Method(QuantMethod):
         return out.to(x.dtype).view(*x.shape[:-1], layer.out_features)
 
     def decode_projection(self, layer: nn.Module) -> Projection | None:
-        if not hasattr(layer, "w4a8_weight") or layer.params_dtype != torch.float32:
+        if not hasattr(layer, "w4a8_weight"):
             return None
         return Projection("w4a8", layer.w4a8_weight, layer.w4a8_scales, layer.w4a8_group)

@@ -65,6 +65,4 @@ class W8A8Method(QuantMethod):
         return w8a8_apply(layer.w8a8_weight, layer.weight_scales, x, bias)
 
     def decode_projection(self, layer: nn.Module) -> Projection | None:
-        if layer.w8a8_weight.dim() != 4 or layer.params_dtype != torch.float32:
-            return None
-        return Projection("w8a8", layer.w8a8_weight, layer.weight_scales)
+        return Projection("w8a8", layer.w8a8_weight, layer.weight_scales) if layer.w8a8_weight.dim() == 4 else None
