@@ -216,7 +216,8 @@ class LlamaModel(nn.Module):
             x, residual = intermediate
         plan = backend.cpu_decode_plan()
         stack = self.decode_stack() if plan is not None else None
-        if stack is not None and positions.dtype == torch.int64 and positions.dim() == 1 and x.is_contiguous():
+        if (stack is not None and positions.dtype == torch.int64 and positions.dim() == 1 and x.is_contiguous()
+                and (residual is None or residual.is_contiguous())):  # another stage's tensors, as they came
             x, residual = stack.forward(x, residual, positions, *plan)
         else:
             for layer in self.stage_layers:
