@@ -102,6 +102,14 @@ def _requests_succeed(url: str, count: int = 6) -> None:
         assert r.json()["usage"]["completion_tokens"] == 4
 
 
+def _all_succeed(url: str) -> bool:
+    try:
+        _requests_succeed(url)
+    except (AssertionError, httpx.HTTPError):
+        return False
+    return True
+
+
 def test_engine_replica_killed_mid_stream(app_url):
     wait_for(lambda: _running_replicas("LLMServer") == 2, timeout=60)
     before = _replica_actors("LLMServer")
@@ -133,4 +141,7 @@ def test_ingress_replica_killed_mid_stream(app_url):
     wait_for(lambda: _engines_idle(app_url), timeout=30)
     wait_for(lambda: _running_replicas("OpenAIIngress") == 1 and _replica_actors("OpenAIIngress") != [ingress],
              timeout=90)
-    _requests_succeed(app_url)
+    # Through HAProxy the route can drop out for a moment after the replacement runs (one CI run: 200, 200,
+    # then 404 "Path not found" ~2 s later, while Serve rewrote HAProxy's backends): Ray's controller lists an
+    # app with no RUNNING ingress replica as no backend at all. The app must settle to serving every request.
+    wait_for(lambda: _all_succeed(app_url), timeout=30, interval=1)
