@@ -8,7 +8,8 @@ by side with llama.cpp's f32, q8_0 and q4_0 on the same weights.
 Run it from the repository root with `-m` (so that this checkout's engine is imported). Each batch size
 runs B requests of --prompt-len random tokens, greedy, ignore_eos, T + 1 output tokens; decode tokens/s =
 B * T / the time from the step where every request has its first token to the last step. Each system
-runs --rounds times, interleaved with the others, and its best round counts. llama.cpp:
+runs --rounds times, interleaved with the others, and its best round counts (our formats' ratios to each other:
+the median of their ratios round by round, each round running them back to back). llama.cpp:
 `llama-batched-bench -npp P -ntg T -npl B` on GGUF files converted from the same checkpoint, quantized with
 `llama-quantize --leave-output-tensor` so that its LM head stays f32 as ours does (S_TG: its decode rate).
 llama.cpp is built by benchmarks/peers/llamacpp.py. `python -m benchmarks.peers --formats` runs this after
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import random
 import re
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -76,7 +78,8 @@ def read_bytes(llm: LLM) -> int:
     return weight_bytes(model) - (0 if model.config.tie_word_embeddings else embed.numel() * embed.element_size())
 
 
-def bench_ours(model: str, args) -> tuple[dict, dict]:
+def bench_ours(model: str, args) -> tuple[dict, dict, dict]:
+    """(name, batch) -> best decode tokens/s over the rounds; -> the rates of every round; name -> bytes read."""
     blocks_per_request = -(-(args.prompt_len + args.decode_tokens + 2) // 16)
     blocks = max(args.batches) * blocks_per_request + 8
     checkpoints = {name: model for name in OURS if name in args.systems}
@@ -88,13 +91,23 @@ def bench_ours(model: str, args) -> tuple[dict, dict]:
                for name, kwargs in systems.items()}
     for llm in engines.values():  # warm-up: kernels built, first allocations made
         decode_rate(llm, 1, args.prompt_len, 2)
-    rates: dict[tuple[str, int], float] = {}
+    rounds: dict[tuple[str, int], list[float]] = {}
     for batch in args.batches:
         for _ in range(args.rounds):
             for name, llm in engines.items():  # interleaved: load changes hit every system alike
-                rate = decode_rate(llm, batch, args.prompt_len, args.decode_tokens)
-                rates[name, batch] = max(rates.get((name, batch), 0.0), rate)
-    return rates, {name: read_bytes(llm) for name, llm in engines.items()}
+                rounds.setdefault((name, batch), []).append(decode_rate(llm, batch, args.prompt_len,
+                                                                        args.decode_tokens))
+    rates = {key: max(values) for key, values in rounds.items()}
+    return rates, rounds, {name: read_bytes(llm) for name, llm in engines.items()}
+
+
+def paired_ratio(rounds: dict[tuple[str, int], list[float]], a: str, b: str, batch: int) -> float | None:
+    """a / b as the median of their ratios round by round: each round runs our formats back to back, seconds
+    apart, where best-of-rounds rates may come from rounds minutes apart (this host's memory bandwidth moved
+    30-47 GB/s within an hour, and batch 1 follows it)."""
+    if (a, batch) not in rounds or (b, batch) not in rounds:
+        return None
+    return statistics.median(x / y for x, y in zip(rounds[a, batch], rounds[b, batch]))
 
 
 VLLM = ("float32", "bfloat16", "ct w8a8")
@@ -225,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     for model in args.models:
-        ours, nbytes = bench_ours(model, args)
+        ours, rounds, nbytes = bench_ours(model, args)
         peer = {} if args.no_llamacpp else bench_llamacpp(model, args)
         vllm = bench_vllm(model, args) if args.vllm else {}
         print(f"\n## {model}: decode tokens/s ({args.prompt_len}-token prompts, {args.decode_tokens} decoded, "
@@ -246,8 +259,13 @@ def main(argv: list[str] | None = None) -> None:
                    | {f"llama.cpp {n}": peer.get((n, batch)) for n in LLAMACPP}
                    | {name: rate for (name, b), rate in vllm.items() if b == batch})
             cells = [f"{row[n]:.1f}" if row.get(n) else "-" for n in names]
-            cells += [f"{row[a] / row[b]:.2f}x" if row.get(a) and row.get(b) else "-" for _, a, b in ratios]
+            for _, a, b in ratios:  # ours against ours: paired round by round; against a peer: best against best
+                ratio = (paired_ratio(rounds, a, b, batch) if a in OURS and b in OURS
+                         else row[a] / row[b] if row.get(a) and row.get(b) else None)
+                cells.append(f"{ratio:.2f}x" if ratio else "-")
             print(f"| {batch} | " + " | ".join(cells) + " |")
+        print("\n(ratios of our formats to each other: the median over rounds of each round's ratio; to a peer: best "
+              "round against best round)")
         if "float32" in nbytes:
             print("\nweight bytes read per decode step, and the speed-up over float32 those bytes allow:")
             for name, n in nbytes.items():
