@@ -51,30 +51,20 @@ def cluster():
         "num_cpus": 2, "object_store_memory": 80 * 2**20, "resources": {"decode_node": 1, "head_node": 1},
         "_system_config": system_config})
     try:
+        # The driver joins before the other nodes exist: ray.init picks the head's raylet only when it finds it
+        # among this host's raylets, else any of them (one CI run's driver landed on the prefill node), and the
+        # tests remove worker nodes; removing the driver's own makes `Cluster.remove_node` shut the driver down.
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        assert ray.get_runtime_context().get_node_id() == cluster.head_node.node_id, "the driver is not on the head"
         for _ in range(2):
             cluster.add_node(**NODE_RESOURCES)
         cluster.add_node(**PREFILL_NODE)
         cluster.wait_for_nodes()
-        _connect_driver_to_head(cluster)
         serve.start(http_options={"host": "127.0.0.1", "port": PORT, "location": "HeadOnly"})
         yield cluster
     finally:  # no serve.shutdown(): draining every replica costs ~30 s, and the nodes go anyway
         ray.shutdown()
         cluster.shutdown()
-
-
-def _connect_driver_to_head(cluster, tries: int = 5) -> None:
-    """ray.init joins the head's raylet when it finds it among this host's raylets, else any of them
-    (`get_node_to_connect_for_driver`; one CI run's driver landed on the prefill node). The tests remove worker
-    nodes, and removing the driver's own node makes `Cluster.remove_node` shut the driver down."""
-    import ray
-
-    for _ in range(tries):
-        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False, configure_logging=False)
-        if ray.get_runtime_context().get_node_id() == cluster.head_node.node_id:
-            return
-        ray.shutdown()
-    raise RuntimeError(f"the driver joined a worker node's raylet {tries} times, never the head's")
 
 
 def _target(name: str, prefix: str, **args):
