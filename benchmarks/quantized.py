@@ -78,8 +78,8 @@ def read_bytes(llm: LLM) -> int:
     return weight_bytes(model) - (0 if model.config.tie_word_embeddings else embed.numel() * embed.element_size())
 
 
-def bench_ours(model: str, args) -> tuple[dict, dict, dict]:
-    """(name, batch) -> best decode tokens/s over the rounds; -> the rates of every round; name -> bytes read."""
+def bench_ours(model: str, args) -> tuple[dict, dict]:
+    """(name, batch) -> decode tokens/s of every round; name -> weight bytes a step reads."""
     blocks_per_request = -(-(args.prompt_len + args.decode_tokens + 2) // 16)
     blocks = max(args.batches) * blocks_per_request + 8
     checkpoints = {name: model for name in OURS if name in args.systems}
@@ -97,8 +97,7 @@ def bench_ours(model: str, args) -> tuple[dict, dict, dict]:
             for name, llm in engines.items():  # interleaved: load changes hit every system alike
                 rounds.setdefault((name, batch), []).append(decode_rate(llm, batch, args.prompt_len,
                                                                         args.decode_tokens))
-    rates = {key: max(values) for key, values in rounds.items()}
-    return rates, rounds, {name: read_bytes(llm) for name, llm in engines.items()}
+    return rounds, {name: read_bytes(llm) for name, llm in engines.items()}
 
 
 def paired_ratio(rounds: dict[tuple[str, int], list[float]], a: str, b: str, batch: int) -> float | None:
@@ -238,7 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     for model in args.models:
-        ours, rounds, nbytes = bench_ours(model, args)
+        rounds, nbytes = bench_ours(model, args)
+        ours = {key: max(rates) for key, rates in rounds.items()}
         peer = {} if args.no_llamacpp else bench_llamacpp(model, args)
         vllm = bench_vllm(model, args) if args.vllm else {}
         print(f"\n## {model}: decode tokens/s ({args.prompt_len}-token prompts, {args.decode_tokens} decoded, "
