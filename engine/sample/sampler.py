@@ -16,6 +16,15 @@ from engine.core.request import Request
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) over the seed space
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1), first maximum on ties, as torch's. On CPU through numpy: torch 2.13's CPU argmax over a
+    row is a scalar loop (28 us for 32k float32 logits, 0.9 ms for 64 rows: 2-3% of a 56M model's decode
+    step), numpy's is vectorized (2 us; 130 us)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
+        return torch.from_numpy(x.numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
+
+
 def sample_seed(seed: int, output_index: int) -> int:
     return (seed * _SEED_MIX + output_index) & 0x7FFF_FFFF_FFFF_FFFF
 
@@ -164,7 +173,7 @@ class Sampler:
                 apply_penalties(logits, md.penalties)
             if md.banned is not None:
                 logits[md.banned] = float("-inf")
-        greedy = logits.argmax(dim=-1)
+        greedy = argmax_rows(logits)
         if md.all_greedy:
             tokens = greedy
         else:
@@ -184,7 +193,7 @@ class Sampler:
             for row, seed in md.seeds.items():
                 self._row_generator.manual_seed(seed)
                 noise[position[row]].exponential_(generator=self._row_generator)
-        return probs.div_(noise).argmax(dim=-1)
+        return argmax_rows(probs.div_(noise))
 
 
 def processed_probs(logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from engine.models.config import ModelConfig
 from engine.models.layers.quantization import QuantizationConfig, resolve_quant_config
 from engine.models.model_path import resolve_model_path
 from engine.models.registry import MTP_ARCHITECTURE
-from engine.sample.sampler import build_sampling_metadata, processed_probs
+from engine.sample.sampler import argmax_rows, build_sampling_metadata, processed_probs
 from engine.spec_decode.rejection_sampler import draw
 
 
@@ -165,7 +165,7 @@ class DraftSampler:
         self.device, self.generator = device, generator
 
     def pick(self, logits: torch.Tensor, active: list[int]) -> list[int]:
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         rows = [i for i, j in enumerate(active) if j in self.probs]
         if rows:
             md_rows = torch.tensor([self.md_row[active[i]] for i in rows], device=self.device)

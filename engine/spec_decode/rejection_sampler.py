@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.sample.sampler import argmax_rows
+
 
 def accept_greedy(draft_token_ids: list[int], target_token_ids: list[int]) -> list[int]:
     """Greedy verification: drafts while they equal the target's argmax at their position, then the
@@ -79,4 +81,4 @@ def draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     """One token per row, with probability proportional to its (unnormalized) weight: the exponential
     race argmax(w / E), E ~ Exp(1), as the sampler draws."""
     noise = torch.empty_like(weights, dtype=torch.float32).exponential_(generator=generator)
-    return (weights.float() / noise).argmax(dim=-1)
+    return argmax_rows(weights.float() / noise)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sample.sampler import apply_top_k_top_p
+from engine.sample.sampler import apply_top_k_top_p, argmax_rows
 from tests.conftest import TINY
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "In a galaxy far away", "Hello"]
@@ -69,6 +69,18 @@ def test_top_k_top_p_masks():
     assert torch.isfinite(masked[0]).tolist() == [False, False, False, True]  # 0.644 >= 0.5 alone
     assert torch.isfinite(masked[1]).tolist() == [True, True, False, False]  # .644 + .237 >= .85
     assert probs.sum() > 0
+
+
+def test_argmax_rows_matches_torch_with_ties_and_nan():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 32000, generator=g)
+    x[1, [7, 300, 31999]] = 100.0  # ties: the first maximum wins
+    x[2, 11] = float("inf")
+    x[3, [5, 9]] = float("nan")  # NaN is the maximum, as in torch
+    x[4] = -float("inf")
+    for rows in (x, x[:, ::2], x.to(torch.bfloat16), x[:1]):
+        assert torch.equal(argmax_rows(rows), rows.argmax(dim=-1))
+    assert argmax_rows(x).tolist()[:4] == [int(x[0].argmax()), 7, 11, 5]
 
 
 def test_max_tokens_and_stop_token_ids(llm):
