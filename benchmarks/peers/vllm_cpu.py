@@ -86,8 +86,9 @@ def main():
     llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
               max_num_seqs=spec["max_num_seqs"], seed=0)
     def generate(requests):
-        prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in requests]
-        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in requests]
+        prompts = [TokensPrompt(prompt_token_ids=r[0]) for r in requests]
+        params = [SamplingParams(**{"temperature": 0, **(r[2] if len(r) > 2 else {})}, max_tokens=r[1],
+                                 ignore_eos=True) for r in requests]
         return llm.generate(prompts, params, use_tqdm=False)
     generate(spec["runs"][0][:8])  # warm-up
     for requests in spec["runs"]:
@@ -102,15 +103,16 @@ if __name__ == "__main__":
 '''
 
 
-def offline(model_dir: Path, requests: list[tuple[list[int], int]], dtype: str = "float32",
+def offline(model_dir: Path, requests: list[tuple], dtype: str = "float32",
             max_model_len: int = 1024, max_num_seqs: int = 256, kv_cache_gb: int = 2,
             timeout_s: float = 1800) -> OfflineResult:
-    """vLLM's offline LLM.generate on `requests` ((prompt token ids, output tokens), greedy, ignore_eos) after
+    """vLLM's offline LLM.generate on `requests` ((prompt token ids, output tokens[, SamplingParams keywords]),
+    greedy unless the keywords say otherwise, ignore_eos) after
     a warm-up of 8, timed as ours is; its KV cache `kv_cache_gb` (VLLM_CPU_KVCACHE_SPACE)."""
     return offline_runs(model_dir, [requests], dtype, max_model_len, max_num_seqs, kv_cache_gb, timeout_s)[0]
 
 
-def offline_runs(model_dir: Path, runs: list[list[tuple[list[int], int]]], dtype: str = "float32",
+def offline_runs(model_dir: Path, runs: list[list[tuple]], dtype: str = "float32",
                  max_model_len: int = 1024, max_num_seqs: int = 256, kv_cache_gb: int = 2,
                  timeout_s: float = 1800) -> list[OfflineResult]:
     """`offline` for several request sets in one vLLM process (one model load), each timed on its own, in order;

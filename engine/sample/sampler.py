@@ -1,14 +1,15 @@
 """Batched sampling over requests with different parameters: one pass of tensor ops per step, never a
 Python loop over the vocabulary. Order, as in vLLM: raw logprobs; logit bias and min_tokens masks;
 repetition/frequency/presence penalties; then greedy argmax, or temperature, min_p, top-k/top-p and a
-draw. Seeded requests draw their noise from a generator keyed by (seed, output index), so a seeded
-sample depends on nothing else in the batch, nor on preemption."""
+draw (inverse CDF: one uniform number per row). A seeded request draws its number from a generator keyed by
+(seed, output index), so a seeded sample depends on nothing else in the batch, nor on preemption."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.core.request import Request
@@ -186,14 +187,27 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
         probs = processed_probs(logits, md, rows)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (a Gumbel-max in disguise).
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        u = torch.rand(len(rows), generator=self.generator, dtype=torch.float64, device=probs.device)
         if md.seeds:
             position = {int(r): j for j, r in enumerate(rows.tolist())}
             for row, seed in md.seeds.items():
                 self._row_generator.manual_seed(seed)
-                noise[position[row]].exponential_(generator=self._row_generator)
-        return argmax_rows(probs.div_(noise))
+                u[position[row]] = torch.rand((), generator=self._row_generator, dtype=torch.float64,
+                                              device=probs.device)
+        return draw(probs, u)
+
+
+def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One index per row of `weights` [rows, V] (non-negative, each row with some weight), with probability
+    weight / the row's sum, by inverse CDF: the first index whose running sum exceeds u * the row's sum, u
+    [rows] uniform in [0, 1). One random number per row, where an exponential race (argmax(w / E), E ~ Exp(1))
+    takes one per token: torch's CPU exponential_ took 39 ms for 64 rows of 32k, longer than the 56M model's
+    whole decode step; these float64 running sums take ~2 ms."""
+    cdf = weights.double().cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    picked = torch.searchsorted(cdf, u.to(cdf)[:, None] * total, right=True)
+    last = torch.searchsorted(cdf, total)  # the last index with weight, should u * total round up to total
+    return torch.minimum(picked, last).squeeze(1)
 
 
 def processed_probs(logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
@@ -224,15 +238,46 @@ def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask logits outside each row's top-k and top-p (nucleus) sets with -inf."""
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    """Mask logits outside each row's top-k and top-p (nucleus) sets with -inf: top-k first, then top-p over
+    what top-k kept (renormalized). Top-p keeps a token while the probability of the tokens ranked above it
+    is under top_p. Both by a threshold value (ties with the last token kept are kept too), found without
+    sorting whole rows where it can be: torch's CPU sort took 1.2 ms per 32k-logit row (74 ms for 64 rows,
+    twice the 56M model's decode step)."""
     vocab = logits.shape[-1]
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (vocab - top_k).clamp(0, vocab - 1)[:, None])
-        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
-    if top_p is not None:
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative <= (1 - top_p)[:, None]
-        drop[:, -1] = False  # always keep the most likely token
-        sorted_logits.masked_fill_(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if top_k is not None and bool((on := top_k < vocab).any()):
+        k = top_k.clamp(1, vocab)
+        largest = logits.topk(int(k[on].max()), dim=-1).values
+        kth = largest.gather(1, (k - 1).clamp(max=largest.shape[-1] - 1)[:, None])
+        logits = logits.masked_fill(on[:, None] & (logits < kth), float("-inf"))
+    if top_p is not None and bool((top_p < 1).any()):
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < nucleus_floor(probs, top_p), float("-inf"))
+    return logits
+
+
+NUCLEUS_CANDIDATES = 256  # a row's most likely tokens, among which top-p looks for its nucleus first
+
+
+def nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[rows, 1]: the smallest probability each row's nucleus keeps (0 where top_p is 1). Found among the row's
+    NUCLEUS_CANDIDATES most likely tokens when they hold top_p of the mass (a trained model's usual case);
+    else by sorting the row (values only: numpy's sort on CPU, twice as fast as torch's)."""
+    largest = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1).values
+    floor = _floor_of_sorted(largest, top_p)
+    wide = (largest.sum(dim=-1) < top_p).nonzero().squeeze(1)
+    if len(wide):
+        rows = probs[wide]
+        if rows.device.type == "cpu" and rows.dtype == torch.float32:
+            ranked = torch.from_numpy(np.ascontiguousarray(np.sort(rows.numpy(), axis=-1)[:, ::-1]))
+        else:
+            ranked = rows.sort(dim=-1, descending=True).values
+        floor[wide] = _floor_of_sorted(ranked, top_p[wide])
+    return floor.masked_fill_((top_p >= 1)[:, None], 0.0)
+
+
+def _floor_of_sorted(ranked: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[rows, 1]: the last probability of `ranked` (each row descending) whose tokens ranked above hold less
+    than top_p (the first always: top_p > 0)."""
+    above = ranked.cumsum(dim=-1) - ranked
+    kept = (above < top_p[:, None]).sum(dim=-1, keepdim=True)
+    return ranked.gather(1, kept - 1)

@@ -28,7 +28,7 @@ from engine.models.layers.quantization import QuantizationConfig, resolve_quant_
 from engine.models.model_path import resolve_model_path
 from engine.models.registry import MTP_ARCHITECTURE
 from engine.sample.sampler import argmax_rows, build_sampling_metadata, processed_probs
-from engine.spec_decode.rejection_sampler import draw
+from engine.spec_decode.rejection_sampler import draw_from
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ class DraftSampler:
         if rows:
             md_rows = torch.tensor([self.md_row[active[i]] for i in rows], device=self.device)
             q = processed_probs(logits[rows].float(), self.md, md_rows)
-            tokens[rows] = draw(q, self.generator).to(tokens.device)
+            tokens[rows] = draw_from(q, self.generator).to(tokens.device)
             for i, row in zip(rows, q):
                 self.probs[active[i]].append(row)
         return tokens.tolist()

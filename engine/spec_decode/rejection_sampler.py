@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sample.sampler import argmax_rows
+from engine.sample.sampler import draw
 
 
 def accept_greedy(draft_token_ids: list[int], target_token_ids: list[int]) -> list[int]:
@@ -44,7 +44,7 @@ def rejection_sample(
         row += k + 1
     if row != target_probs.shape[0]:
         raise ValueError(f"target_probs: {target_probs.shape[0]} rows for drafts needing {row}")
-    bonus = draw(target_probs[bonus_rows], generator).tolist()
+    bonus = draw_from(target_probs[bonus_rows], generator).tolist()
     if not draft_rows:
         return [[b] for b in bonus]
     drafts = torch.tensor([t for d in draft_token_ids for t in d], dtype=torch.long, device=device)
@@ -64,7 +64,7 @@ def rejection_sample(
     empty = residual.sum(dim=1) <= 0
     if empty.any():
         residual[empty] = p[empty]
-    recovered = draw(residual, generator).tolist()
+    recovered = draw_from(residual, generator).tolist()
 
     emitted, flat = [], 0
     for i, (tokens, k) in enumerate(zip(draft_token_ids, num_drafts)):
@@ -77,8 +77,7 @@ def rejection_sample(
     return emitted
 
 
-def draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row, with probability proportional to its (unnormalized) weight: the exponential
-    race argmax(w / E), E ~ Exp(1), as the sampler draws."""
-    noise = torch.empty_like(weights, dtype=torch.float32).exponential_(generator=generator)
-    return argmax_rows(weights.float() / noise)
+def draw_from(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row, with probability proportional to its (unnormalized) weight, as the sampler draws."""
+    return draw(weights, torch.rand(weights.shape[0], generator=generator, dtype=torch.float64,
+                                    device=weights.device))

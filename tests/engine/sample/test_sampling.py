@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sample.sampler import apply_top_k_top_p, argmax_rows
+from engine.sample.sampler import apply_top_k_top_p, argmax_rows, draw
 from tests.conftest import TINY
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "In a galaxy far away", "Hello"]
@@ -71,6 +71,35 @@ def test_top_k_top_p_masks():
     assert probs.sum() > 0
 
 
+def _sorted_top_k_top_p(logits, top_k, top_p):
+    """The oracle: every row sorted, masked by rank (top_p's mass summed from the least likely token)."""
+    sorted_logits, order = logits.sort(dim=-1)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab - top_k).clamp(0, vocab - 1)[:, None])
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        drop = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)[:, None]
+        drop[:, -1] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+@pytest.mark.parametrize("scale", [0.5, 8.0])  # flat rows (the nucleus past the candidates: a sort) and peaked
+def test_top_k_top_p_thresholds_match_sorting_every_row(scale):
+    g = torch.Generator().manual_seed(3)
+    vocab = 5000
+    logits = torch.randn(12, vocab, generator=g) * scale
+    top_k = torch.tensor([vocab, 1, 7, 300, vocab, 4999, vocab, 50, vocab, 2, vocab, 10_000])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 1.0, 0.3, 0.99, 1.0, 0.05, 0.7, 0.8, 1.0])
+    for k, p in ((top_k, top_p), (top_k, None), (None, top_p)):
+        ours = torch.isinf(apply_top_k_top_p(logits, k, p))
+        oracle = torch.isinf(_sorted_top_k_top_p(logits, None if k is None else k.clamp(max=vocab), p))
+        assert torch.equal(ours, oracle)
+    kept = (~torch.isinf(apply_top_k_top_p(logits, top_k, top_p))).sum(dim=-1)
+    assert kept[1] == 1 and kept[2] <= 7 and kept[4] == vocab
+
+
 def test_argmax_rows_matches_torch_with_ties_and_nan():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 32000, generator=g)
@@ -81,6 +110,17 @@ def test_argmax_rows_matches_torch_with_ties_and_nan():
     for rows in (x, x[:, ::2], x.to(torch.bfloat16), x[:1]):
         assert torch.equal(argmax_rows(rows), rows.argmax(dim=-1))
     assert argmax_rows(x).tolist()[:4] == [int(x[0].argmax()), 7, 11, 5]
+
+
+def test_draw_follows_the_weights_and_never_picks_a_zero():
+    weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.0, 6.0, 0.0])  # unnormalized; zeros at both ends
+    n = 40_000
+    u = torch.rand(n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    counts = torch.bincount(draw(weights.expand(n, -1), u), minlength=7).double() / n
+    assert counts[[0, 2, 4, 6]].sum() == 0
+    assert torch.allclose(counts, weights.double() / weights.sum(), atol=0.01)
+    # the ends of [0, 1): the first weighted index, and the last (never the zeros past it)
+    assert draw(weights.expand(2, -1), torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64)).tolist() == [1, 5]
 
 
 def test_max_tokens_and_stop_token_ids(llm):
