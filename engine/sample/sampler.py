@@ -207,7 +207,7 @@ def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:].contiguous()
     picked = torch.searchsorted(cdf, u.to(cdf)[:, None] * total, right=True)
     last = torch.searchsorted(cdf, total)  # the last index with weight, should u * total round up to total
-    return torch.minimum(picked, last).squeeze(1)
+    return torch.minimum(picked, last).squeeze(1).clamp_(max=weights.shape[-1] - 1)  # NaN weights: in range
 
 
 def processed_probs(logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:

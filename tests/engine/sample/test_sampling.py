@@ -121,6 +121,7 @@ def test_draw_follows_the_weights_and_never_picks_a_zero():
     assert torch.allclose(counts, weights.double() / weights.sum(), atol=0.01)
     # the ends of [0, 1): the first weighted index, and the last (never the zeros past it)
     assert draw(weights.expand(2, -1), torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64)).tolist() == [1, 5]
+    assert 0 <= int(draw(torch.full((1, 7), float("nan")), torch.tensor([0.5]))) < 7  # a broken model's row
 
 
 def test_max_tokens_and_stop_token_ids(llm):
