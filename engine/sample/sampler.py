@@ -264,7 +264,7 @@ def nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     else by sorting the row (values only: numpy's sort on CPU, twice as fast as torch's)."""
     largest = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1).values
     floor = _floor_of_sorted(largest, top_p)
-    wide = (largest.sum(dim=-1) < top_p).nonzero().squeeze(1)
+    wide = ((largest.sum(dim=-1) < top_p) & (top_p < 1)).nonzero().squeeze(1)
     if len(wide):
         rows = probs[wide]
         if rows.device.type == "cpu" and rows.dtype == torch.float32:
