@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.core.request import Request
+from ops.cpu.sampling import top_p_floor
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) over the seed space
 
@@ -255,24 +255,25 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return logits
 
 
-NUCLEUS_CANDIDATES = 256  # a row's most likely tokens, among which top-p looks for its nucleus first
+NUCLEUS_CANDIDATES = 256  # without the CPU kernel: a row's most likely tokens, where top-p looks first
 
 
 def nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """[rows, 1]: the smallest probability each row's nucleus keeps (0 where top_p is 1). Found among the row's
-    NUCLEUS_CANDIDATES most likely tokens when they hold top_p of the mass (a trained model's usual case);
-    else by sorting the row (values only: numpy's sort on CPU, twice as fast as torch's)."""
-    largest = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1).values
-    floor = _floor_of_sorted(largest, top_p)
-    wide = ((largest.sum(dim=-1) < top_p) & (top_p < 1)).nonzero().squeeze(1)
-    if len(wide):
-        rows = probs[wide]
-        if rows.device.type == "cpu" and rows.dtype == torch.float32:
-            ranked = torch.from_numpy(np.ascontiguousarray(np.sort(rows.numpy(), axis=-1)[:, ::-1]))
-        else:
-            ranked = rows.sort(dim=-1, descending=True).values
-        floor[wide] = _floor_of_sorted(ranked, top_p[wide])
-    return floor.masked_fill_((top_p >= 1)[:, None], 0.0)
+    """[rows, 1]: the smallest probability each row's nucleus keeps (0 where top_p is 1). On CPU by the radix
+    selection of ops/cpu/sampling.cpp; else among the row's NUCLEUS_CANDIDATES most likely tokens when they
+    hold top_p of the mass (a trained model's usual case), and by sorting the rows where they do not."""
+    floor = torch.zeros(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
+    narrow = (top_p < 1).nonzero().squeeze(1)
+    rows, row_top_p = (probs, top_p) if len(narrow) == len(top_p) else (probs[narrow], top_p[narrow])
+    found = top_p_floor(rows, row_top_p)
+    if found is None:
+        largest = rows.topk(min(NUCLEUS_CANDIDATES, rows.shape[-1]), dim=-1).values
+        found = _floor_of_sorted(largest, row_top_p)
+        wide = (largest.sum(dim=-1) < row_top_p).nonzero().squeeze(1)
+        if len(wide):
+            found[wide] = _floor_of_sorted(rows[wide].sort(dim=-1, descending=True).values, row_top_p[wide])
+    floor[narrow] = found.to(floor.dtype)
+    return floor
 
 
 def _floor_of_sorted(ranked: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

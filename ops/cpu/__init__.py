@@ -3,9 +3,9 @@ build per CPU type; `make install` compiles them all ahead, side by side (`pytho
 
 `load_cpu_kernels()` (paged attention), `load_linear_kernels()` (linear layers over float32, int8 and int4
 weight panels), `load_moe_kernels()` (mixture-of-experts layers), `load_elementwise_kernels()` (RMSNorm,
-rotary embeddings) and `load_decode_stack()` (a decode step through a model's layers, calling the others' kernels)
-return a compiled module. One module each: each rebuilds only when its own sources change, and a model compiles
-only the kernels it runs.
+rotary embeddings), `load_decode_stack()` (a decode step through a model's layers, calling the others' kernels)
+and `load_sampling_kernels()` (top-p's threshold) return a compiled module. One module each: each rebuilds only
+when its own sources change, and a model compiles only the kernels it runs.
 
 Where there is no toolchain (no compiler, or no ninja) they return None, after one warning naming every
 kernel lost, and callers fall back to their pure-torch paths. Where there is one, a kernel that fails to build
@@ -32,6 +32,7 @@ _KERNELS = {
     "mixture-of-experts": ("pagedserve_moe_kernels", "fused_moe.cpp"),
     "elementwise (RMSNorm, rotary)": ("pagedserve_elementwise_kernels", "elementwise.cpp"),
     "decode stack": ("pagedserve_decode_stack", "decode_stack.cpp"),
+    "sampling (top-p)": ("pagedserve_sampling_kernels", "sampling.cpp"),
 }
 # torch keys a build by its sources only: the shared headers are part of our build signature
 _HEADERS = [Path(__file__).parent / h for h in ("work_sharing.h", "vec16.h", "fast_exp.h", "kernel_capsules.h")]
@@ -121,6 +122,11 @@ def load_elementwise_kernels():
 @functools.cache
 def load_decode_stack():
     return _load("decode stack")
+
+
+@functools.cache
+def load_sampling_kernels():
+    return _load("sampling (top-p)")
 
 
 _build_errors: dict[str, KernelBuildError] = {}  # a kernel that failed to build is not rebuilt at every call

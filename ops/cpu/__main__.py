@@ -17,6 +17,7 @@ from ops.cpu import (
     load_elementwise_kernels,
     load_linear_kernels,
     load_moe_kernels,
+    load_sampling_kernels,
     missing_toolchain,
 )
 
@@ -31,7 +32,8 @@ def _build(loader) -> str | None:
 
 
 def main() -> int:
-    loaders = [load_cpu_kernels, load_linear_kernels, load_moe_kernels, load_elementwise_kernels, load_decode_stack]
+    loaders = [load_cpu_kernels, load_linear_kernels, load_moe_kernels, load_elementwise_kernels, load_decode_stack,
+               load_sampling_kernels]
     if missing_toolchain():
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
         for load in loaders:  # None each, after one warning naming every kernel lost

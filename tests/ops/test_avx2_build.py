@@ -16,7 +16,7 @@ from ops.cpu import cpu_flags, missing_toolchain
 
 ROOT = Path(__file__).parents[2]
 KERNEL_TESTS = ["tests/ops/test_quant_linear.py", "tests/ops/test_cpu_linear.py",
-                "tests/ops/test_elementwise.py", "tests/ops/test_torch_attention.py",
+                "tests/ops/test_elementwise.py", "tests/ops/test_torch_attention.py", "tests/ops/test_sampling.py",
                 "tests/engine/models/test_moe.py::test_fused_moe_matches_a_per_token_reference"]
 AVX2 = "-mno-avx512f"
 

@@ -1,0 +1,22 @@
+"""Top-p's threshold on CPU through sampling.cpp: radix selection over each row's probabilities instead of a
+sort. The sampler (engine/sample/sampler.py) calls it where it applies, else its torch code."""
+
+from __future__ import annotations
+
+import torch
+
+from ops.cpu import load_sampling_kernels
+
+
+def top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """[rows, 1]: the smallest probability each row of `probs` [rows, V] keeps under its `top_p` [rows] (a
+    token is kept while the tokens ranked above it hold less than top_p); None where the kernel does not
+    apply (not float32 on CPU, or nothing compiled)."""
+    if not probs.is_cpu or probs.dtype != torch.float32:
+        return None
+    kernels = load_sampling_kernels()
+    if kernels is None:
+        return None
+    floor = torch.empty(probs.shape[0], dtype=torch.float32)
+    kernels.top_p_floor(floor, probs.contiguous(), top_p.to(torch.float32).contiguous())
+    return floor[:, None]
