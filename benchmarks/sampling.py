@@ -10,8 +10,7 @@ as the model. Each setting runs B requests of 32 random prompt tokens, ignore_eo
 stepped by hand (decode tokens/s from the step where every request has its first token, as
 benchmarks/quantized.py), vLLM's from two runs, 1 and T + 1 output tokens, and their difference. The random-weight
 model's distributions are flat (its most likely token: ~1.7 nats above uniform): top-p 0.95 at temperature 0.8
-keeps most of the vocabulary (our threshold search then sorts the row's values); only at temperature 0.05 is
-its nucleus as small as a trained model's usually is (within each row's 256 most likely tokens).
+keeps most of the vocabulary; only at temperature 0.05 is its nucleus as small as a trained model's usually is.
 
 A benchmark, never run in CI."""
 
