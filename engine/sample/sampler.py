@@ -174,12 +174,14 @@ class Sampler:
                 apply_penalties(logits, md.penalties)
             if md.banned is not None:
                 logits[md.banned] = float("-inf")
-        greedy = argmax_rows(logits)
         if md.all_greedy:
-            tokens = greedy
+            tokens = argmax_rows(logits)
         else:
             rows = (md.temperature > 0).nonzero().squeeze(1)
-            tokens = greedy.index_copy(0, rows, self._sample(logits[rows], md, rows))
+            if len(rows) == len(logits):  # none greedy: no argmax, no copy of the logits
+                tokens = self._sample(logits, md, rows)
+            else:
+                tokens = argmax_rows(logits).index_copy(0, rows, self._sample(logits[rows], md, rows))
         out = SamplerOutput(token_ids=tokens, logits=logits)
         if md.max_num_logprobs is not None:
             out.logprob_token_ids, out.logprobs, out.sampled_ranks = gather_logprobs(raw, tokens, md.max_num_logprobs)
@@ -203,7 +205,7 @@ def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     [rows] uniform in [0, 1). One random number per row, where an exponential race (argmax(w / E), E ~ Exp(1))
     takes one per token: torch's CPU exponential_ took 39 ms for 64 rows of 32k, longer than the 56M model's
     whole decode step; these float64 running sums take ~2 ms."""
-    cdf = weights.double().cumsum(dim=-1)
+    cdf = weights.cumsum(dim=-1, dtype=torch.float64)
     total = cdf[:, -1:].contiguous()
     picked = torch.searchsorted(cdf, u.to(cdf)[:, None] * total, right=True)
     last = torch.searchsorted(cdf, total)  # the last index with weight, should u * total round up to total
@@ -247,8 +249,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     if top_k is not None and bool((on := top_k < vocab).any()):
         k = top_k.clamp(1, vocab)
         largest = logits.topk(int(k[on].max()), dim=-1).values
-        kth = largest.gather(1, (k - 1).clamp(max=largest.shape[-1] - 1)[:, None])
-        logits = logits.masked_fill(on[:, None] & (logits < kth), float("-inf"))
+        kth = largest.gather(1, (k - 1).clamp(max=largest.shape[-1] - 1)[:, None]).masked_fill_(~on[:, None],
+                                                                                           float("-inf"))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and bool((top_p < 1).any()):
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < nucleus_floor(probs, top_p), float("-inf"))
