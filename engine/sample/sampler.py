@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.request import Request
+from ops.cpu.sampling import draw as cpu_draw
 from ops.cpu.sampling import top_p_floor
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) over the seed space
@@ -100,13 +101,12 @@ def build_sampling_metadata(requests: Sequence[Request], vocab_size: int, device
     all_greedy = not any(r[0] for r in rows)
     if all_greedy:  # the common offline case needs none of the per-row tensors
         temperature = top_k = top_p = min_p = None
-    else:
-        table = torch.tensor(rows, dtype=torch.float32, device="cpu")  # [B, 4], built on the CPU in one call
-        temperature, k, p, m = table.unbind(1)
-        temperature = temperature.to(device)
-        top_k = torch.where(k > 0, k, vocab_size).long().to(device) if (k > 0).any() else None
-        top_p = p.to(device) if (p < 1).any() else None
-        min_p = m.to(device) if (m > 0).any() else None
+    else:  # which settings any row uses, asked of the Python rows: each torch op on a tiny tensor costs ~5 us
+        temperature = tensor([r[0] for r in rows], torch.float32)
+        top_k = (tensor([int(r[1]) if r[1] > 0 else vocab_size for r in rows], torch.long)
+                 if any(r[1] > 0 for r in rows) else None)
+        top_p = tensor([r[2] for r in rows], torch.float32) if any(r[2] < 1 for r in rows) else None
+        min_p = tensor([r[3] for r in rows], torch.float32) if any(r[3] > 0 for r in rows) else None
     return SamplingMetadata(
         temperature=temperature,
         all_greedy=all_greedy,
@@ -204,7 +204,10 @@ def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     weight / the row's sum, by inverse CDF: the first index whose running sum exceeds u * the row's sum, u
     [rows] uniform in [0, 1). One random number per row, where an exponential race (argmax(w / E), E ~ Exp(1))
     takes one per token: torch's CPU exponential_ took 39 ms for 64 rows of 32k, longer than the 56M model's
-    whole decode step; these float64 running sums take ~2 ms."""
+    whole decode step; these float64 running sums take ~1.5 ms, ops/cpu/sampling.cpp's two passes ~0.5."""
+    drawn = cpu_draw(weights, u)
+    if drawn is not None:
+        return drawn
     cdf = weights.cumsum(dim=-1, dtype=torch.float64)
     total = cdf[:, -1:].contiguous()
     picked = torch.searchsorted(cdf, u.to(cdf)[:, None] * total, right=True)

@@ -1,5 +1,6 @@
-"""Top-p's threshold on CPU through sampling.cpp: radix selection over each row's probabilities instead of a
-sort. The sampler (engine/sample/sampler.py) calls it where it applies, else its torch code."""
+"""Top-p's threshold and the draw on CPU through sampling.cpp: radix selection over each row's probabilities
+instead of a sort, and an inverse CDF in two passes. The sampler (engine/sample/sampler.py) calls these where
+they apply (float32 on CPU, compiled), else its torch code."""
 
 from __future__ import annotations
 
@@ -20,3 +21,16 @@ def top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None
     floor = torch.empty(probs.shape[0], dtype=torch.float32)
     kernels.top_p_floor(floor, probs.contiguous(), top_p.to(torch.float32).contiguous())
     return floor[:, None]
+
+
+def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """[rows]: one index per row of `weights` [rows, V] by inverse CDF with `u` [rows] (the sampler's `draw`);
+    None where the kernel does not apply."""
+    if not weights.is_cpu or weights.dtype != torch.float32:
+        return None
+    kernels = load_sampling_kernels()
+    if kernels is None:
+        return None
+    tokens = torch.empty(weights.shape[0], dtype=torch.int64)
+    kernels.draw(tokens, weights.contiguous(), u.to(torch.float64).contiguous())
+    return tokens

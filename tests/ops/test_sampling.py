@@ -1,10 +1,11 @@
-"""ops/cpu/sampling.cpp's top-p floor against sorting each row (the definition the sampler keeps)."""
+"""ops/cpu/sampling.cpp against the sampler's torch code: the top-p floor against sorting each row (the definition
+the sampler keeps), the draw against float64 running sums and a search."""
 
 import pytest
 import torch
 
 from ops.cpu import missing_toolchain
-from ops.cpu.sampling import top_p_floor
+from ops.cpu.sampling import draw, top_p_floor
 
 pytestmark = pytest.mark.skipif(bool(missing_toolchain()), reason=f"CPU kernels not compiled: {missing_toolchain()}")
 
@@ -38,3 +39,21 @@ def test_top_p_floor_refuses_what_it_cannot_read():
         from ops.cpu import load_sampling_kernels
 
         load_sampling_kernels().top_p_floor(torch.empty(3), torch.rand(2, 8), torch.tensor([0.5, 0.5]))
+
+
+@pytest.mark.parametrize("vocab", [1, 9, 32000])
+def test_draw_matches_running_sums_and_a_search(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    weights = torch.rand(40, vocab, generator=g) ** 4
+    weights[::2, ::3] = 0.0  # masked tokens
+    weights[1, :] = 0.0
+    weights[1, vocab // 2] = 1.0  # one token left
+    u = torch.rand(40, generator=g, dtype=torch.float64)
+    u[:2] = torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64)  # the ends of [0, 1)
+    cdf = weights.cumsum(dim=-1, dtype=torch.float64)
+    want = torch.searchsorted(cdf, (u[:, None] * cdf[:, -1:]).contiguous(), right=True).squeeze(1)
+    want = torch.minimum(want, torch.searchsorted(cdf, cdf[:, -1:].contiguous()).squeeze(1))
+    got = draw(weights, u)
+    assert torch.equal(got, want)
+    weighted = weights.sum(dim=-1) > 0  # (with one token, the masked rows have none: index 0, as torch's)
+    assert bool((weights.gather(1, got[:, None]).squeeze(1) > 0)[weighted].all())
