@@ -56,10 +56,12 @@ def prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[1] + [rng.randrange(3, 32000) for _ in range(length - 1)] for _ in range(batch)]
 
 
-def decode_rate(llm: LLM, batch: int, prompt_len: int, tokens: int) -> float:
-    """Steps the engine by hand: the clock starts once every request has its first token (prefill done)."""
+def decode_rate(llm: LLM, batch: int, prompt_len: int, tokens: int, sampling: dict | None = None) -> float:
+    """Steps the engine by hand: the clock starts once every request has its first token (prefill done).
+    Greedy, unless `sampling` (SamplingParams keywords) says otherwise."""
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=tokens + 1, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
     for prompt in prompts(batch, prompt_len):
         engine.add_prepared(engine.prepare_request(prompt, params))
     started: set[str] = set()

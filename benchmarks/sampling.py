@@ -17,10 +17,9 @@ A benchmark, never run in CI."""
 from __future__ import annotations
 
 import argparse
-import time
 
-from benchmarks.quantized import prompts
-from engine import LLM, RequestOutputKind, SamplingParams
+from benchmarks.quantized import decode_rate, prompts
+from engine import LLM
 from engine.models.builtin import materialize_builtin
 
 SETTINGS = {
@@ -30,21 +29,6 @@ SETTINGS = {
     "temperature 0.8, top_p 0.95": {"temperature": 0.8, "top_p": 0.95},
     "temperature 0.05, top_p 0.95": {"temperature": 0.05, "top_p": 0.95},
 }
-
-
-def decode_rate(llm: LLM, batch: int, prompt_len: int, tokens: int, sampling: dict) -> float:
-    engine = llm.llm_engine
-    params = SamplingParams(**{"temperature": 0, **sampling}, max_tokens=tokens + 1, ignore_eos=True,
-                            output_kind=RequestOutputKind.DELTA)
-    for prompt in prompts(batch, prompt_len):
-        engine.add_prepared(engine.prepare_request(prompt, params))
-    started: set[str] = set()
-    while len(started) < batch:
-        started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-    return batch * tokens / (time.perf_counter() - start)
 
 
 def bench_ours(args) -> dict[tuple[str, int], float]:

@@ -9,13 +9,16 @@ import torch
 from ops.cpu import load_sampling_kernels
 
 
+def _kernels_for(x: torch.Tensor):
+    """The compiled module where `x` can go to it (float32 on CPU), else None."""
+    return load_sampling_kernels() if x.is_cpu and x.dtype == torch.float32 else None
+
+
 def top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
     """[rows, 1]: the smallest probability each row of `probs` [rows, V] keeps under its `top_p` [rows] (a
     token is kept while the tokens ranked above it hold less than top_p); None where the kernel does not
     apply (not float32 on CPU, or nothing compiled)."""
-    if not probs.is_cpu or probs.dtype != torch.float32:
-        return None
-    kernels = load_sampling_kernels()
+    kernels = _kernels_for(probs)
     if kernels is None:
         return None
     floor = torch.empty(probs.shape[0], dtype=torch.float32)
@@ -26,9 +29,7 @@ def top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None
 def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
     """[rows]: one index per row of `weights` [rows, V] by inverse CDF with `u` [rows] (the sampler's `draw`);
     None where the kernel does not apply."""
-    if not weights.is_cpu or weights.dtype != torch.float32:
-        return None
-    kernels = load_sampling_kernels()
+    kernels = _kernels_for(weights)
     if kernels is None:
         return None
     tokens = torch.empty(weights.shape[0], dtype=torch.int64)
