@@ -105,6 +105,12 @@ def read_adapter_config(path: Path, name: str, max_lora_rank: int) -> dict:
     if config.get("modules_to_save"):
         raise _refuse(name, f"`modules_to_save` ({config['modules_to_save']}) is not supported: the adapter must "
                       "only add low-rank deltas to the base model's projections")
+    # Before the patterns: PEFT >= 0.22 turns v4-style targets (`gate_proj`) on a fused-experts model into
+    # `target_parameters` with a doubled rank for `gate_up_proj` in `rank_pattern`; the experts are the reason.
+    if config.get("target_parameters"):
+        raise _refuse(name, f"`target_parameters` ({config['target_parameters']}) is not supported: LoRA on raw "
+                      "parameters (a mixture-of-experts model's experts) is not served; target the attention "
+                      f"projections {list(ATTENTION_MODULES)} instead")
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
             raise _refuse(name, f"`{key}` is not supported: every module must share `r` and `lora_alpha`")
@@ -113,10 +119,6 @@ def read_adapter_config(path: Path, name: str, max_lora_rank: int) -> dict:
     if config.get("fan_in_fan_out"):
         raise _refuse(name, "`fan_in_fan_out` is true: only adapters of nn.Linear layers (fan_in_fan_out=false) are "
                       "supported")
-    if config.get("target_parameters"):
-        raise _refuse(name, f"`target_parameters` ({config['target_parameters']}) is not supported: LoRA on raw "
-                      "parameters (a mixture-of-experts model's experts) is not served; target the attention "
-                      f"projections {list(ATTENTION_MODULES)} instead")
     targets = config["target_modules"]
     if isinstance(targets, list):  # PEFT matches an entry against the end of a module's name
         unknown = sorted(t for t in targets if str(t).rsplit(".", 1)[-1] not in TARGET_MODULES)

@@ -227,10 +227,10 @@ def test_parallel_layouts_equal_one_rank(layout, lora_setup):
 
 # --- mixture-of-experts and quantized bases -------------------------------------------------------------------
 
-# arch -> ((tensor_parallel_size, pipeline_parallel_size), target_modules). With transformers' fused experts,
-# PEFT finds Qwen2-MoE's gate/up/down_proj in its shared expert and in layer 1 (mlp_only_layers), never in
-# the experts.
-MOE_ADAPTERS = {"mixtral": ((1, 2), ["q_proj", "k_proj", "v_proj", "o_proj"]), "qwen2_moe": ((2, 1), ALL)}
+# arch -> ((tensor_parallel_size, pipeline_parallel_size), target_modules). Qwen2-MoE's MLP projections are
+# named by their parents: PEFT >= 0.22 reads a bare `gate_proj` as transformers 4 did, the experts included.
+_QWEN2_MOE_MLPS = [f"{parent}.{proj}" for parent in ("shared_expert", "mlp") for proj in ALL[4:]]
+MOE_ADAPTERS = {"mixtral": ((1, 2), ALL[:4]), "qwen2_moe": ((2, 1), ALL[:4] + _QWEN2_MOE_MLPS)}
 
 
 @pytest.mark.parametrize("arch", MOE_ADAPTERS)
@@ -289,6 +289,9 @@ def test_adapters_on_expert_weights_are_refused_naming_the_module(hf_checkpoint,
     mixtral = hf_checkpoint("mixtral")
     cases = [
         (qwen2, experts, r"`target_parameters` \(\['mlp.experts.gate_up_proj'\]\) is not supported"),
+        (qwen2, edited("fused-pattern", {}, target_parameters=["mlp.experts.gate_up_proj"],
+                       rank_pattern={r".*\.gate_up_proj": 8}, alpha_pattern={r".*\.gate_up_proj": 16}),
+         r"`target_parameters` \(\['mlp.experts.gate_up_proj'\]\) is not supported"),  # as PEFT >= 0.22 writes it
         (qwen2, edited("fused", {}), r"targets the experts of a mixture-of-experts layer \(layers.0.mlp.experts\)"),
         (qwen2, edited("router", {"layers.0.self_attn.q_proj": "layers.0.mlp.gate"}, drop="experts"),
          r"targets layers.0.mlp.gate, which adapters may not target"),
