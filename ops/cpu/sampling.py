@@ -1,6 +1,6 @@
-"""Top-p's threshold and the draw on CPU through sampling.cpp: radix selection over each row's probabilities
-instead of a sort, and an inverse CDF in two passes. The sampler (engine/sample/sampler.py) calls these where
-they apply (float32 on CPU, compiled), else its torch code."""
+"""Top-k's mask, top-p's threshold and the draw on CPU through sampling.cpp: radix selection over each row's
+logits or probabilities instead of a sort, and an inverse CDF in two passes. The sampler
+(engine/sample/sampler.py) calls these where they apply (float32 on CPU, compiled), else its torch code."""
 
 from __future__ import annotations
 
@@ -12,6 +12,18 @@ from ops.cpu import load_sampling_kernels
 def _kernels_for(x: torch.Tensor):
     """The compiled module where `x` can go to it (float32 on CPU), else None."""
     return load_sampling_kernels() if x.is_cpu and x.dtype == torch.float32 else None
+
+
+def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor | None:
+    """`logits` [rows, V] with the values below each row's `top_k`-th largest (top_k [rows]; V or more: none)
+    set to -inf, ties with it kept; None where the kernel does not apply."""
+    kernels = _kernels_for(logits)
+    if kernels is None:
+        return None
+    logits = logits.contiguous()
+    masked = torch.empty_like(logits)
+    kernels.top_k_mask(masked, logits, top_k.to(torch.int64).contiguous())
+    return masked
 
 
 def top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:

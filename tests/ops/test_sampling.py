@@ -1,13 +1,42 @@
-"""ops/cpu/sampling.cpp against the sampler's torch code: the top-p floor against sorting each row (the definition
-the sampler keeps), the draw against float64 running sums and a search."""
+"""ops/cpu/sampling.cpp against the sampler's torch code: the top-k mask and the top-p floor against sorting each
+row (the definitions the sampler keeps), the draw against float64 running sums and a search."""
 
 import pytest
 import torch
 
 from ops.cpu import missing_toolchain
-from ops.cpu.sampling import draw, top_p_floor
+from ops.cpu.sampling import draw, top_k_mask, top_p_floor
 
 pytestmark = pytest.mark.skipif(bool(missing_toolchain()), reason=f"CPU kernels not compiled: {missing_toolchain()}")
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 5000, 32003])
+def test_top_k_mask_matches_sorting_the_row(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.cat([
+        torch.randn(6, vocab, generator=g) * 3,
+        (torch.randn(6, vocab, generator=g) * 2).round(),  # many tied values: ties with the k-th are kept
+        torch.randn(4, vocab, generator=g) - 1e4,  # all negative
+    ])
+    logits[::4, : vocab // 2] = float("-inf")  # masked already (bans, grammar): k may reach into them
+    logits[5, :: max(1, vocab // 3)] = float("nan")  # a broken row: NaN ranks first, as in torch's topk
+    logits[7, 0] = -0.0
+    k = torch.tensor([1, 2, 7, 50, 0, vocab - 1, vocab, vocab + 5, 3, 1000, 1, 4, 20, 5000, 2, 1])
+    masked = top_k_mask(logits, k)
+    ranked = logits.sort(dim=-1, descending=True).values  # sort puts NaN first too
+    kth = ranked.gather(1, (k.clamp(1, vocab) - 1)[:, None])
+    want = logits.masked_fill(logits < kth, float("-inf"))
+    assert torch.equal(masked.isnan(), want.isnan())
+    assert torch.equal(masked.nan_to_num(), want.nan_to_num())
+    assert masked.data_ptr() != logits.data_ptr()
+
+
+def test_top_k_mask_refuses_what_it_cannot_read():
+    assert top_k_mask(torch.rand(2, 8).double(), torch.tensor([2, 2])) is None  # the caller's torch path
+    from ops.cpu import load_sampling_kernels
+
+    with pytest.raises(RuntimeError, match="k int64"):
+        load_sampling_kernels().top_k_mask(torch.empty(2, 8), torch.rand(2, 8), torch.tensor([2, 2], dtype=torch.int32))
 
 
 def sorted_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sample.sampler import apply_top_k_top_p, argmax_rows, draw
+from engine.sample.sampler import argmax_rows, draw, top_k_mask, top_p_mask
 from tests.conftest import TINY
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "In a galaxy far away", "Hello"]
@@ -59,16 +59,29 @@ def test_greedy_matches_temperature_zero_and_top_k_one(llm):
     assert greedy == top1
 
 
+def _kept(logits, top_k, top_p):
+    """The tokens a row may draw after top-k (on the logits) then top-p (on the probabilities), as
+    processed_probs applies them; and the distribution."""
+    if top_k is not None:
+        logits = top_k_mask(logits, top_k)
+    probs = logits.softmax(dim=-1)
+    if top_p is not None:
+        probs = top_p_mask(probs, top_p)
+    return probs > 0, probs
+
+
 def test_top_k_top_p_masks():
     logits = torch.tensor([[1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]])
-    masked = apply_top_k_top_p(logits, torch.tensor([2, 4]), None)
+    masked = top_k_mask(logits, torch.tensor([2, 4]))
     assert torch.isinf(masked[0, :2]).all() and torch.isfinite(masked[0, 2:]).all()
     assert torch.isfinite(masked[1]).all()
     probs = logits.softmax(-1)  # row 0: [.032, .087, .237, .644]
-    masked = apply_top_k_top_p(logits, None, torch.tensor([0.5, 0.85]))
-    assert torch.isfinite(masked[0]).tolist() == [False, False, False, True]  # 0.644 >= 0.5 alone
-    assert torch.isfinite(masked[1]).tolist() == [True, True, False, False]  # .644 + .237 >= .85
-    assert probs.sum() > 0
+    kept = top_p_mask(probs, torch.tensor([0.5, 0.85]))
+    assert (kept[0] > 0).tolist() == [False, False, False, True]  # 0.644 >= 0.5 alone
+    assert (kept[1] > 0).tolist() == [True, True, False, False]  # .644 + .237 >= .85
+    # renormalized: the softmax of the logits masked outside the nucleus
+    assert torch.allclose(kept[1], logits[1].masked_fill(kept[1] == 0, float("-inf")).softmax(-1))
+    assert torch.equal(top_p_mask(probs, torch.tensor([1.0, 1.0])), probs)
 
 
 def _sorted_top_k_top_p(logits, top_k, top_p):
@@ -93,11 +106,15 @@ def test_top_k_top_p_thresholds_match_sorting_every_row(scale):
     top_k = torch.tensor([vocab, 1, 7, 300, vocab, 4999, vocab, 50, vocab, 2, vocab, 10_000])
     top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 1.0, 0.3, 0.99, 1.0, 0.05, 0.7, 0.8, 1.0])
     for k, p in ((top_k, top_p), (top_k, None), (None, top_p)):
-        oracle = torch.isinf(_sorted_top_k_top_p(logits, None if k is None else k.clamp(max=vocab), p))
-        assert torch.equal(torch.isinf(apply_top_k_top_p(logits, k, p)), oracle)  # CPU: the kernel's floor
-        # float64 takes the torch path other devices take (candidates, then a sort of the wide rows)
-        assert torch.equal(torch.isinf(apply_top_k_top_p(logits.double(), k, p)), oracle)
-    kept = (~torch.isinf(apply_top_k_top_p(logits, top_k, top_p))).sum(dim=-1)
+        oracle = ~torch.isinf(_sorted_top_k_top_p(logits, None if k is None else k.clamp(max=vocab), p))
+        kept, probs = _kept(logits, k, p)  # CPU: the kernels' top-k mask and top-p floor
+        assert torch.equal(kept, oracle)
+        assert torch.allclose(probs.sum(dim=-1), torch.ones(12))
+        # float64 takes the torch paths other devices take (topk; candidates, then a sort of the wide rows)
+        kept64, probs64 = _kept(logits.double(), k, p)
+        assert torch.equal(kept64, oracle)
+        assert torch.allclose(probs64.float(), probs, atol=1e-6)
+    kept = _kept(logits, top_k, top_p)[0].sum(dim=-1)
     assert kept[1] == 1 and kept[2] <= 7 and kept[4] == vocab
 
 
