@@ -14,7 +14,7 @@ import torch
 from engine.core.request import Request
 from ops.cpu.sampling import draw as cpu_draw
 from ops.cpu.sampling import top_k_mask as cpu_top_k_mask
-from ops.cpu.sampling import top_p_floor
+from ops.cpu.sampling import top_p_mask as cpu_top_p_mask
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) over the seed space
 
@@ -269,9 +269,13 @@ def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 def top_p_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """`probs` zeroed outside each row's nucleus and renormalized: a token is kept while the probability of the
     tokens ranked above it is under top_p (1: all). The same distribution as a softmax of logits masked outside
-    the nucleus, without a second softmax."""
+    the nucleus, without a second softmax. On CPU in one call (ops/cpu/sampling.cpp: the nucleus's floor by radix
+    selection, then the kept mass and a scaled write)."""
     if not bool((top_p < 1).any()):
         return probs
+    kept = cpu_top_p_mask(probs, top_p)
+    if kept is not None:
+        return kept
     kept = probs.masked_fill(probs < nucleus_floor(probs, top_p), 0.0)
     return kept.div_(kept.sum(dim=-1, keepdim=True))
 
@@ -280,19 +284,17 @@ NUCLEUS_CANDIDATES = 256  # without the CPU kernel: a row's most likely tokens, 
 
 
 def nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """[rows, 1]: the smallest probability each row's nucleus keeps (0 where top_p is 1). On CPU by the radix
-    selection of ops/cpu/sampling.cpp; else among the row's NUCLEUS_CANDIDATES most likely tokens when they
-    hold top_p of the mass (a trained model's usual case), and by sorting the rows where they do not."""
+    """[rows, 1]: the smallest probability each row's nucleus keeps (0 where top_p is 1), where the CPU kernel does
+    not apply: among the row's NUCLEUS_CANDIDATES most likely tokens when they hold top_p of the mass (a trained
+    model's usual case), and by sorting the rows where they do not."""
     floor = torch.zeros(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
     narrow = (top_p < 1).nonzero().squeeze(1)
     rows, row_top_p = (probs, top_p) if len(narrow) == len(top_p) else (probs[narrow], top_p[narrow])
-    found = top_p_floor(rows, row_top_p)
-    if found is None:
-        largest = rows.topk(min(NUCLEUS_CANDIDATES, rows.shape[-1]), dim=-1).values
-        found = _floor_of_sorted(largest, row_top_p)
-        wide = (largest.sum(dim=-1) < row_top_p).nonzero().squeeze(1)
-        if len(wide):
-            found[wide] = _floor_of_sorted(rows[wide].sort(dim=-1, descending=True).values, row_top_p[wide])
+    largest = rows.topk(min(NUCLEUS_CANDIDATES, rows.shape[-1]), dim=-1).values
+    found = _floor_of_sorted(largest, row_top_p)
+    wide = (largest.sum(dim=-1) < row_top_p).nonzero().squeeze(1)
+    if len(wide):
+        found[wide] = _floor_of_sorted(rows[wide].sort(dim=-1, descending=True).values, row_top_p[wide])
     floor[narrow] = found.to(floor.dtype)
     return floor
 

@@ -27,34 +27,57 @@ struct Level {
 };
 constexpr Level kLevels[] = {{20, 12}, {8, 12}, {0, 8}};
 
-float row_floor(const float* p, int64_t V, double top_p, std::vector<double>& mass, std::vector<int32_t>& count) {
-  uint32_t prefix = 0;  // the bits above this level's, fixed by the levels before
-  double above = 0.0;   // the mass of the tokens above the bucket being refined (under top_p throughout)
-  for (const Level& level : kLevels) {
-    const int64_t buckets = int64_t{1} << level.width;
-    const int high = level.shift + level.width;
-    std::fill(mass.begin(), mass.begin() + buckets, 0.0);
-    std::fill(count.begin(), count.begin() + buckets, 0);
-    for (int64_t i = 0; i < V; ++i) {
-      uint32_t bits;
-      std::memcpy(&bits, p + i, 4);
-      if (high < 32 && (bits >> high) != prefix) continue;
-      const uint32_t b = (bits >> level.shift) & (buckets - 1);
-      mass[b] += p[i];
-      ++count[b];
-    }
-    // The last non-empty bucket is refined when no bucket reaches top_p: the sums of this pass may round below
-    // those of the last (or a row's whole mass below top_p): everything down to it is kept then.
-    int64_t chosen = -1;
-    bool reached = false;
-    for (int64_t b = buckets - 1; b >= 0 && !reached; --b) {
-      if (!count[b]) continue;
-      chosen = b;
-      reached = above + mass[b] >= top_p;
-      if (!reached) above += mass[b];
-    }
-    if (chosen < 0) return 0.f;  // an empty row
-    if (!reached) above -= mass[chosen];
+// One pass of the selection over p[0, n): among the values whose bits above `level` equal `prefix`, the bucket
+// where the mass above it (with `above`, the mass above those values) reaches top_p; -1 for none. The last
+// non-empty bucket is taken when no bucket reaches top_p: the sums of this pass may round below those of the last
+// (or a row's whole mass be under top_p): everything down to it is kept then. `above` becomes the mass above the
+// bucket taken, and count[bucket] its number of values.
+int64_t select_bucket(const float* p, int64_t n, const Level& level, uint32_t prefix, double top_p, double& above,
+                      std::vector<double>& mass, std::vector<int32_t>& count) {
+  const int64_t buckets = int64_t{1} << level.width;
+  const int high = level.shift + level.width;
+  std::fill(mass.begin(), mass.begin() + buckets, 0.0);
+  std::fill(count.begin(), count.begin() + buckets, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, p + i, 4);
+    if (high < 32 && (bits >> high) != prefix) continue;
+    const uint32_t b = (bits >> level.shift) & (buckets - 1);
+    mass[b] += p[i];
+    ++count[b];
+  }
+  int64_t chosen = -1;
+  bool reached = false;
+  for (int64_t b = buckets - 1; b >= 0 && !reached; --b) {
+    if (!count[b]) continue;
+    chosen = b;
+    reached = above + mass[b] >= top_p;
+    if (!reached) above += mass[b];
+  }
+  if (chosen >= 0 && !reached) above -= mass[chosen];
+  return chosen;
+}
+
+// The row's nucleus floor: the first level over the whole row, the other two over the values of the bucket it
+// took, gathered (a few hundred of 32k in a peaked row; never more than the row).
+float row_floor(const float* p, int64_t V, double top_p, std::vector<double>& mass, std::vector<int32_t>& count,
+                std::vector<float>& candidates) {
+  double above = 0.0;  // the mass of the tokens above the bucket being refined (under top_p throughout)
+  const int64_t first = select_bucket(p, V, kLevels[0], 0, top_p, above, mass, count);
+  if (first < 0) return 0.f;  // an empty row
+  const int high = kLevels[0].shift;
+  candidates.resize(count[first] + 1);  // + 1: the slot a non-member writes before it is overwritten
+  int64_t n = 0;
+  for (int64_t i = 0; i < V; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, p + i, 4);
+    candidates[n] = p[i];
+    n += (bits >> high) == static_cast<uint32_t>(first);
+  }
+  uint32_t prefix = static_cast<uint32_t>(first);  // the bits above the next level's, fixed by the levels before
+  for (const Level& level : {kLevels[1], kLevels[2]}) {
+    const int64_t chosen = select_bucket(candidates.data(), n, level, prefix, top_p, above, mass, count);
+    if (chosen < 0) return 0.f;
     prefix = (prefix << level.width) | static_cast<uint32_t>(chosen);
   }
   float floor;
@@ -62,21 +85,37 @@ float row_floor(const float* p, int64_t V, double top_p, std::vector<double>& ma
   return floor;
 }
 
-// floor [R] = each row's nucleus floor of probs [R, V] under top_p [R] (all float32).
-void top_p_floor(at::Tensor& floor, const at::Tensor& probs, const at::Tensor& top_p) {
+// out [R, V] = probs [R, V] zeroed below each row's nucleus floor under top_p [R] (1 or more: floor 0) and
+// renormalized: the kept mass summed in 16 lanes, then one scaled write. float32, contiguous.
+void top_p_mask(at::Tensor& out, const at::Tensor& probs, const at::Tensor& top_p) {
   TORCH_CHECK(probs.scalar_type() == at::kFloat && probs.dim() == 2 && probs.is_contiguous(),
-              "top_p_floor: probs contiguous float32 [rows, vocab]");
+              "top_p_mask: probs contiguous float32 [rows, vocab]");
   const int64_t R = probs.size(0), V = probs.size(1);
   TORCH_CHECK(top_p.scalar_type() == at::kFloat && top_p.is_contiguous() && top_p.numel() == R &&
-                  floor.scalar_type() == at::kFloat && floor.is_contiguous() && floor.numel() == R,
-              "top_p_floor: top_p and floor contiguous float32 [rows]");
+                  out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == probs.sizes(),
+              "top_p_mask: top_p float32 [rows] and out float32 as probs, contiguous");
   const float* p = probs.data_ptr<float>();
   const float* tp = top_p.data_ptr<float>();
-  float* out = floor.data_ptr<float>();
+  float* y = out.data_ptr<float>();
   pagedserve::shared_for(R, [&](int64_t begin, int64_t end) {
     std::vector<double> mass(4096);
     std::vector<int32_t> count(4096);
-    for (int64_t r = begin; r < end; ++r) out[r] = row_floor(p + r * V, V, tp[r], mass, count);
+    std::vector<float> candidates;
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = p + r * V;
+      float* kept = y + r * V;
+      const float floor = tp[r] < 1.f ? row_floor(row, V, tp[r], mass, count, candidates) : 0.f;
+      float lanes[16] = {};
+      int64_t i = 0;
+      for (; i + 16 <= V; i += 16) {
+        for (int j = 0; j < 16; ++j) lanes[j] += row[i + j] >= floor ? row[i + j] : 0.f;
+      }
+      double total = 0.0;
+      for (; i < V; ++i) total += row[i] >= floor ? row[i] : 0.f;
+      for (float lane : lanes) total += lane;
+      const float scale = static_cast<float>(1.0 / total);
+      for (i = 0; i < V; ++i) kept[i] = row[i] >= floor ? row[i] * scale : 0.f;
+    }
   });
 }
 
@@ -186,6 +225,6 @@ void draw(at::Tensor& tokens, const at::Tensor& weights, const at::Tensor& u) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("top_k_mask", &top_k_mask, "each row's logits below its k-th largest masked with -inf (CPU)");
-  m.def("top_p_floor", &top_p_floor, "each row's top-p (nucleus) floor probability (CPU)");
+  m.def("top_p_mask", &top_p_mask, "each row's probabilities outside its top-p nucleus zeroed, renormalized (CPU)");
   m.def("draw", &draw, "one index per row of weights, by inverse CDF (CPU)");
 }

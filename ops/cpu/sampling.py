@@ -1,4 +1,4 @@
-"""Top-k's mask, top-p's threshold and the draw on CPU through sampling.cpp: radix selection over each row's
+"""Top-k's and top-p's masks and the draw on CPU through sampling.cpp: radix selection over each row's
 logits or probabilities instead of a sort, and an inverse CDF in two passes. The sampler
 (engine/sample/sampler.py) calls these where they apply (float32 on CPU, compiled), else its torch code."""
 
@@ -26,16 +26,17 @@ def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor | None
     return masked
 
 
-def top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
-    """[rows, 1]: the smallest probability each row of `probs` [rows, V] keeps under its `top_p` [rows] (a
-    token is kept while the tokens ranked above it hold less than top_p); None where the kernel does not
-    apply (not float32 on CPU, or nothing compiled)."""
+def top_p_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """`probs` [rows, V] zeroed outside each row's nucleus under `top_p` [rows] (a token is kept while the tokens
+    ranked above it hold less than top_p; 1 keeps all) and renormalized; None where the kernel does not apply
+    (not float32 on CPU, or nothing compiled)."""
     kernels = _kernels_for(probs)
     if kernels is None:
         return None
-    floor = torch.empty(probs.shape[0], dtype=torch.float32)
-    kernels.top_p_floor(floor, probs.contiguous(), top_p.to(torch.float32).contiguous())
-    return floor[:, None]
+    probs = probs.contiguous()
+    kept = torch.empty_like(probs)
+    kernels.top_p_mask(kept, probs, top_p.to(torch.float32).contiguous())
+    return kept
 
 
 def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:

@@ -1,11 +1,11 @@
-"""ops/cpu/sampling.cpp against the sampler's torch code: the top-k mask and the top-p floor against sorting each
+"""ops/cpu/sampling.cpp against the sampler's torch code: the top-k and top-p masks against sorting each
 row (the definitions the sampler keeps), the draw against float64 running sums and a search."""
 
 import pytest
 import torch
 
 from ops.cpu import missing_toolchain
-from ops.cpu.sampling import draw, top_k_mask, top_p_floor
+from ops.cpu.sampling import draw, top_k_mask, top_p_mask
 
 pytestmark = pytest.mark.skipif(bool(missing_toolchain()), reason=f"CPU kernels not compiled: {missing_toolchain()}")
 
@@ -47,7 +47,7 @@ def sorted_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 5000, 32003])
-def test_top_p_floor_matches_sorting_the_row(vocab):
+def test_top_p_mask_keeps_what_sorting_keeps_and_renormalizes(vocab):
     g = torch.Generator().manual_seed(vocab)
     logits = torch.cat([
         torch.randn(6, vocab, generator=g) * 0.3,  # flat: the nucleus is most of the row
@@ -56,18 +56,21 @@ def test_top_p_floor_matches_sorting_the_row(vocab):
     ])
     logits[::3, : vocab // 2] = float("-inf")  # masked tokens (top-k, grammar): probability 0
     probs = logits.softmax(dim=-1)
-    top_p = torch.tensor([0.05, 0.3, 0.5, 0.8, 0.9, 0.95, 0.99, 0.999] * 2)
-    floor = top_p_floor(probs, top_p)
-    assert floor.shape == (16, 1)
-    assert torch.equal(floor, sorted_floor(probs, top_p))
+    top_p = torch.tensor([0.05, 0.3, 0.5, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0] * 2)[:16]
+    kept = top_p_mask(probs, top_p)
+    floor = torch.where(top_p[:, None] < 1, sorted_floor(probs, top_p), 0.0)
+    assert torch.equal(kept > 0, probs >= floor)  # the floor is the sort's, ties with it kept
+    want = probs.double().masked_fill(probs < floor, 0.0)
+    assert torch.allclose(kept.double(), want / want.sum(dim=-1, keepdim=True), rtol=1e-5, atol=1e-9)
+    assert kept.data_ptr() != probs.data_ptr()
 
 
-def test_top_p_floor_refuses_what_it_cannot_read():
-    assert top_p_floor(torch.rand(2, 8).double(), torch.tensor([0.5, 0.5])) is None  # the caller's torch path
-    with pytest.raises(RuntimeError, match="top_p and floor"):
+def test_top_p_mask_refuses_what_it_cannot_read():
+    assert top_p_mask(torch.rand(2, 8).double(), torch.tensor([0.5, 0.5])) is None  # the caller's torch path
+    with pytest.raises(RuntimeError, match="top_p float32"):
         from ops.cpu import load_sampling_kernels
 
-        load_sampling_kernels().top_p_floor(torch.empty(3), torch.rand(2, 8), torch.tensor([0.5, 0.5]))
+        load_sampling_kernels().top_p_mask(torch.empty(3, 8), torch.rand(2, 8), torch.tensor([0.5, 0.5]))
 
 
 @pytest.mark.parametrize("vocab", [1, 9, 32000])

@@ -107,7 +107,7 @@ def test_top_k_top_p_thresholds_match_sorting_every_row(scale):
     top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 1.0, 0.3, 0.99, 1.0, 0.05, 0.7, 0.8, 1.0])
     for k, p in ((top_k, top_p), (top_k, None), (None, top_p)):
         oracle = ~torch.isinf(_sorted_top_k_top_p(logits, None if k is None else k.clamp(max=vocab), p))
-        kept, probs = _kept(logits, k, p)  # CPU: the kernels' top-k mask and top-p floor
+        kept, probs = _kept(logits, k, p)  # CPU: the kernels' top-k and top-p masks
         assert torch.equal(kept, oracle)
         assert torch.allclose(probs.sum(dim=-1), torch.ones(12))
         # float64 takes the torch paths other devices take (topk; candidates, then a sort of the wide rows)
