@@ -13,6 +13,7 @@ import torch
 
 from engine.core.request import Request
 from ops.cpu.sampling import draw as cpu_draw
+from ops.cpu.sampling import sample_rows as cpu_sample_rows
 from ops.cpu.sampling import top_k_mask as cpu_top_k_mask
 from ops.cpu.sampling import top_p_mask as cpu_top_p_mask
 
@@ -189,15 +190,19 @@ class Sampler:
         return out
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
-        probs = processed_probs(logits, md, rows)
-        u = torch.rand(len(rows), generator=self.generator, dtype=torch.float64, device=probs.device)
+        u = torch.rand(len(rows), generator=self.generator, dtype=torch.float64, device=logits.device)
         if md.seeds:
             position = {int(r): j for j, r in enumerate(rows.tolist())}
             for row, seed in md.seeds.items():
                 self._row_generator.manual_seed(seed)
                 u[position[row]] = torch.rand((), generator=self._row_generator, dtype=torch.float64,
-                                              device=probs.device)
-        return draw(probs, u)
+                                              device=logits.device)
+        if md.min_p is None:  # on CPU, processed_probs and the draw row by row in one call
+            tokens = cpu_sample_rows(logits, md.temperature[rows], None if md.top_k is None else md.top_k[rows],
+                                     None if md.top_p is None else md.top_p[rows], u)
+            if tokens is not None:
+                return tokens
+        return draw(processed_probs(logits, md, rows), u)
 
 
 def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ _KERNELS = {
     "mixture-of-experts": ("pagedserve_moe_kernels", "fused_moe.cpp"),
     "elementwise (RMSNorm, rotary)": ("pagedserve_elementwise_kernels", "elementwise.cpp"),
     "decode stack": ("pagedserve_decode_stack", "decode_stack.cpp"),
-    "sampling (top-p)": ("pagedserve_sampling_kernels", "sampling.cpp"),
+    "sampling": ("pagedserve_sampling_kernels", "sampling.cpp"),
 }
 # torch keys a build by its sources only: the shared headers are part of our build signature
 _HEADERS = [Path(__file__).parent / h for h in ("work_sharing.h", "vec16.h", "fast_exp.h", "kernel_capsules.h")]
@@ -126,7 +126,7 @@ def load_decode_stack():
 
 @functools.cache
 def load_sampling_kernels():
-    return _load("sampling (top-p)")
+    return _load("sampling")
 
 
 _build_errors: dict[str, KernelBuildError] = {}  # a kernel that failed to build is not rebuilt at every call
@@ -145,7 +145,9 @@ def _load(kernel: str):
         return load(
             name=f"{name}_{_build_signature()}",
             sources=[str(Path(__file__).parent / source)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", *_EXTRA_CFLAGS],
+            # -fno-trapping-math: no kernel reads the floating-point exception flags, and with them kept GCC
+            # leaves a loop scalar for each compare it would turn into a select (a clamp, a mask, exp's range).
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", *_EXTRA_CFLAGS],
             extra_ldflags=["-fopenmp"],
         )
     except (RuntimeError, OSError, ImportError) as e:  # the compiler's or linker's error, or a .so that won't load

@@ -1,6 +1,7 @@
-"""Top-k's and top-p's masks and the draw on CPU through sampling.cpp: radix selection over each row's
-logits or probabilities instead of a sort, and an inverse CDF in two passes. The sampler
-(engine/sample/sampler.py) calls these where they apply (float32 on CPU, compiled), else its torch code."""
+"""Sampling on CPU through sampling.cpp: a sampled step's rows in one call, and top-k's and top-p's masks and the
+draw on their own (for the distributions speculative decoding keeps): radix selection over each row's logits or
+probabilities instead of a sort, and an inverse CDF in two passes. The sampler (engine/sample/sampler.py) calls
+these where they apply (float32 on CPU, compiled), else its torch code."""
 
 from __future__ import annotations
 
@@ -47,4 +48,21 @@ def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
         return None
     tokens = torch.empty(weights.shape[0], dtype=torch.int64)
     kernels.draw(tokens, weights.contiguous(), u.to(torch.float64).contiguous())
+    return tokens
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
+                top_p: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor | None:
+    """[rows]: one token per row of `logits` [rows, V], drawn with `u` [rows] from the distribution
+    engine/sample/sampler.py's processed_probs makes without min_p (temperature [rows] > 0; top_k [rows], V or
+    more: off; top_p [rows], 1: off), each row in one pass of the kernel through L2; None where it does not apply."""
+    kernels = _kernels_for(logits)
+    if kernels is None:
+        return None
+    rows, vocab = logits.shape
+    top_k = torch.full((rows,), vocab, dtype=torch.int64) if top_k is None else top_k.to(torch.int64).contiguous()
+    top_p = torch.ones(rows) if top_p is None else top_p.to(torch.float32).contiguous()
+    tokens = torch.empty(rows, dtype=torch.int64)
+    kernels.sample_rows(tokens, logits.contiguous(), temperature.to(torch.float32).contiguous(), top_k, top_p,
+                        u.to(torch.float64).contiguous())
     return tokens

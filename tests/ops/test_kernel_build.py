@@ -19,7 +19,7 @@ ROOT = Path(__file__).parents[2]
 BAD_FLAG = "-fno-such-flag-pagedserve"  # torch passes it on; no compiler accepts it
 KERNELS = {"paged attention": "paged_attention.cpp", "linear": "panel_linear.cpp",
            "mixture-of-experts": "fused_moe.cpp", "elementwise (RMSNorm, rotary)": "elementwise.cpp",
-           "decode stack": "decode_stack.cpp", "sampling (top-p)": "sampling.cpp"}
+           "decode stack": "decode_stack.cpp", "sampling": "sampling.cpp"}
 # The tests of three kernels, less their pure-torch cases (the MoE kernel's test needs the engine's machinery;
 # the build step covers that kernel).
 KERNEL_TESTS = ["tests/ops/test_quant_linear.py", "tests/ops/test_elementwise.py",

@@ -1,11 +1,12 @@
 """ops/cpu/sampling.cpp against the sampler's torch code: the top-k and top-p masks against sorting each
-row (the definitions the sampler keeps), the draw against float64 running sums and a search."""
+row (the definitions the sampler keeps), the draw against float64 running sums and a search, and a step's rows
+in one call against those, one by one."""
 
 import pytest
 import torch
 
 from ops.cpu import missing_toolchain
-from ops.cpu.sampling import draw, top_k_mask, top_p_mask
+from ops.cpu.sampling import draw, sample_rows, top_k_mask, top_p_mask
 
 pytestmark = pytest.mark.skipif(bool(missing_toolchain()), reason=f"CPU kernels not compiled: {missing_toolchain()}")
 
@@ -21,6 +22,8 @@ def test_top_k_mask_matches_sorting_the_row(vocab):
     logits[::4, : vocab // 2] = float("-inf")  # masked already (bans, grammar): k may reach into them
     logits[5, :: max(1, vocab // 3)] = float("nan")  # a broken row: NaN ranks first, as in torch's topk
     logits[7, 0] = -0.0
+    logits[8, ::32] = 100.0 + torch.arange(len(logits[8, ::32]))  # the largest where the kernel's sample looks:
+    # its guess at a floor under the k largest then holds fewer than k (rank 8 of 50): the radix selection's turn
     k = torch.tensor([1, 2, 7, 50, 0, vocab - 1, vocab, vocab + 5, 3, 1000, 1, 4, 20, 5000, 2, 1])
     masked = top_k_mask(logits, k)
     ranked = logits.sort(dim=-1, descending=True).values  # sort puts NaN first too
@@ -89,3 +92,61 @@ def test_draw_matches_running_sums_and_a_search(vocab):
     assert torch.equal(got, want)
     weighted = weights.sum(dim=-1) > 0  # (with one token, the masked rows have none: index 0, as torch's)
     assert bool((weights.gather(1, got[:, None]).squeeze(1) > 0)[weighted].all())
+
+
+def _settings(rows: int, vocab: int, g: torch.Generator):
+    temperature = torch.rand(rows, generator=g) * 1.5 + 0.05
+    top_k = torch.tensor([vocab, 1, 3, 50, vocab + 9, 0, vocab - 1, 7] * (rows // 8 + 1))[:rows]
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.5, 0.95, 0.3, 1.0, 0.999] * (rows // 8 + 1))[:rows]
+    return temperature, top_k, top_p
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 5000])
+def test_sample_rows_draws_what_processed_probs_and_the_draw_draw(vocab):
+    """The one-call step against the sampler's ops one by one (processed_probs, then draw): every token inside the
+    sorted oracle's kept set, and the same token for nearly every row (they differ only where u falls within
+    rounding of a boundary of the running sums: unnormalized probabilities, exp by polynomial)."""
+    from engine.sample.sampler import SamplingMetadata, draw, processed_probs
+
+    g = torch.Generator().manual_seed(vocab)
+    rows = 400
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[::5, : vocab // 3] = float("-inf")  # bans, grammar
+    temperature, top_k, top_p = _settings(rows, vocab, g)
+    u = torch.rand(rows, generator=g, dtype=torch.float64)
+    u[:2] = torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64)
+    tokens = sample_rows(logits, temperature, top_k, top_p, u)
+    md = SamplingMetadata(temperature=temperature, all_greedy=False, top_k=top_k, top_p=top_p, min_p=None,
+                          seeds={}, max_num_logprobs=None)
+    probs = processed_probs(logits, md, torch.arange(rows))
+    assert bool((probs.gather(1, tokens[:, None]) > 0).all())
+    assert (tokens == draw(probs, u)).float().mean() >= 0.99
+
+
+def test_sample_rows_follows_the_distribution():
+    """u on a grid: each token drawn as often as its probability under temperature, top-k and top-p."""
+    from engine.sample.sampler import SamplingMetadata, processed_probs
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, float("-inf"), 1.5, 0.0, 3.0]])
+    n = 20_000
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    for t, k, p in ((1.0, 7, 1.0), (0.7, 4, 1.0), (1.3, 7, 0.8), (0.9, 5, 0.9)):
+        temperature, top_k, top_p = torch.full((n,), t), torch.full((n,), k), torch.full((n,), p)
+        counts = torch.bincount(sample_rows(logits.expand(n, -1), temperature, top_k, top_p, u), minlength=7)
+        md = SamplingMetadata(temperature=temperature[:1], all_greedy=False, top_k=top_k[:1], top_p=top_p[:1],
+                              min_p=None, seeds={}, max_num_logprobs=None)
+        want = processed_probs(logits, md, torch.arange(1))[0]
+        assert torch.allclose(counts.double() / n, want.double(), atol=2 / n)
+
+
+def test_sample_rows_keeps_broken_rows_in_range_and_refuses_what_it_cannot_read():
+    logits = torch.tensor([[float("nan")] * 6, [float("-inf")] * 6, [1.0, float("nan"), 2.0, 0.0, 1.0, 1.0]])
+    tokens = sample_rows(logits, torch.ones(3), None, torch.tensor([0.9, 1.0, 0.5]), torch.full((3,), 0.5,
+                                                                                              dtype=torch.float64))
+    assert bool(((tokens >= 0) & (tokens < 6)).all()) and int(tokens[2]) != 1  # NaN is never drawn
+    assert sample_rows(logits.double(), torch.ones(3), None, None, torch.zeros(3)) is None
+    from ops.cpu import load_sampling_kernels
+
+    with pytest.raises(RuntimeError, match="sample_rows: temperature"):
+        load_sampling_kernels().sample_rows(torch.empty(3, dtype=torch.long), logits, torch.ones(2),
+                                            torch.ones(3, dtype=torch.long), torch.ones(3), torch.zeros(3).double())
