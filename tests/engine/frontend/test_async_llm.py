@@ -238,20 +238,23 @@ def test_event_loop_stays_responsive_while_saturated():
         params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
         tasks = [asyncio.create_task(_collect(llm, list(range(1, 300 + i)), params)) for i in range(48)]
         await _wait_until(lambda: llm.stats.num_running > 16, timeout=60)
-        worst = 0.0
+        delays = []
         for _ in range(100):  # a ticker that should wake every 10 ms
             start = time.monotonic()
             await asyncio.sleep(0.01)
-            worst = max(worst, time.monotonic() - start - 0.01)
+            delays.append(time.monotonic() - start - 0.01)
         assert llm.stats.num_running > 0, "the engine was not saturated during the measurement"
         await asyncio.gather(*tasks)
-        return worst
+        return sorted(delays)
 
     try:
-        worst = asyncio.run(run())
+        delays = asyncio.run(run())
     finally:
         llm.shutdown()
-    assert worst < 0.05, f"event loop delayed by {worst * 1000:.1f} ms"
+    # A loop that waits on the engine wakes late every time; on 2 busy cores the OS may also hold the process
+    # off its core now and then (71 ms once in a full suite run): the 90th percentile, and a bound on the worst.
+    assert delays[90] < 0.05, f"event loop delayed by {delays[90] * 1000:.1f} ms at the 90th percentile"
+    assert delays[-1] < 0.25, f"event loop delayed by {delays[-1] * 1000:.1f} ms"
 
 
 def test_stats_snapshot(llm):

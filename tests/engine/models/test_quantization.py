@@ -4,7 +4,10 @@ dense model holding the checkpoint's own dequantized weights (tests/parity.py's 
 
 Stated tolerance: our logprobs of the chosen tokens are within LOGPROB_TOL of HF's on the dequantized
 oracle (float32; the kernels sum in another order, nothing else differs), so a token may differ only where
-HF's top-2 gap is below TIE = 2 * LOGPROB_TOL (both sides may move by LOGPROB_TOL)."""
+HF's top-2 gap is below TIE = 2 * LOGPROB_TOL (both sides may move by LOGPROB_TOL). Schemes that round
+activations to int8 (W8A8, W4A8) get ROUNDED_LOGPROB_TOL: an activation within float rounding of a half step
+rounds either way on the two sides, one step of its row's scale times its weights (2.7e-3 seen on an AVX2 host,
+whose float sums run 8 lanes wide where AVX-512's run 16)."""
 
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from tests.parity import assert_tokens_match, hf_greedy
 
 LOGPROB_TOL = 2e-3
 TIE = 2 * LOGPROB_TOL
+ROUNDED_LOGPROB_TOL = 5e-3
 NEW_TOKENS = 12
 PROMPTS = [[1, *range(300, 340)], [1, 7, 99, 4000, 12, 555], [1, *range(300, 330), 9, 9, 9]]  # 1 and 3 share 31 tokens
 ENGINE = dict(dtype="float32", num_kv_blocks=64, max_model_len=256)  # a small KV pool: engines start fast
@@ -45,13 +49,14 @@ def _check_parity(llm: LLM, oracle: str, what: str) -> None:
     """W8A8 engines against the oracle with its decoder projections' inputs rounded to int8 per token."""
     experts = {getattr(m, "expert_compute", None) for m in _modules(llm)}
     rounded = (*LINEAR, "experts") if {"w8a8", "w4a8"} & (_computes(llm) | experts) else ()
+    tol = ROUNDED_LOGPROB_TOL if rounded else LOGPROB_TOL
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
         tokens, logprobs = hf_greedy(oracle, prompt, NEW_TOKENS, quantize_inputs_of=rounded)
         ours = out.outputs[0]
-        tie = assert_tokens_match(ours.token_ids, tokens, logprobs, TIE, what)
+        tie = assert_tokens_match(ours.token_ids, tokens, logprobs, 2 * tol, what)
         for i, (token, lp) in enumerate(zip(ours.token_ids[:tie], ours.logprobs)):
-            assert abs(lp[token].logprob - float(logprobs[i][token])) < LOGPROB_TOL, (what, i)
+            assert abs(lp[token].logprob - float(logprobs[i][token])) < tol, (what, i)
 
 
 def _modules(llm: LLM):
@@ -287,9 +292,10 @@ def test_tensor_parallel_int8_activations_quantize_each_ranks_slice(hf_checkpoin
         llm.shutdown()
     for prompt, out in zip(PROMPTS, outs):
         tokens, logprobs = hf_greedy(oracle, prompt, NEW_TOKENS, quantize_inputs_of=LINEAR, row_parallel_ranks=2)
-        tie = assert_tokens_match(out.outputs[0].token_ids, tokens, logprobs, TIE, f"{scheme} TP=2")
+        tie = assert_tokens_match(out.outputs[0].token_ids, tokens, logprobs, 2 * ROUNDED_LOGPROB_TOL,
+                                  f"{scheme} TP=2")
         for i, (token, lp) in enumerate(zip(out.outputs[0].token_ids[:tie], out.outputs[0].logprobs)):
-            assert abs(lp[token].logprob - float(logprobs[i][token])) < LOGPROB_TOL, i
+            assert abs(lp[token].logprob - float(logprobs[i][token])) < ROUNDED_LOGPROB_TOL, i
 
 
 BAD_CONFIGS = [
