@@ -256,7 +256,8 @@ def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple
 
 def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """`logits` with the values below each row's `top_k`-th largest (vocab size or more: none) set to -inf. On CPU
-    by ops/cpu/sampling.cpp's radix selection and mask in one call (~3x torch's topk and two masking ops)."""
+    in one call of ops/cpu/sampling.cpp (the k-th largest selected among the values above a floor guessed from a
+    sample of the row, then the mask: ~3x torch's topk and two masking ops)."""
     vocab = logits.shape[-1]
     on = top_k < vocab
     if not bool(on.any()):
