@@ -178,7 +178,15 @@ RATE_ROWS = (1, 16, 64, 256)
 def compute_rates(threads: int, n: int = 2048, k: int = 1536, group: int = 128) -> dict[tuple[str, int], float]:
     """GMAC/s of one n x k linear layer per weight format and rows of x (weights cache-resident: arithmetic,
     not memory, is what this measures). Formats are timed in turns, best of 5 rounds each."""
-    from ops.cpu.linear import bfloat16_linear, instruction_sets, pack_weight, packed_linear, to_unit_panels
+    from ops.cpu.linear import (
+        bfloat16_linear,
+        bfloat16_panels_preferred,
+        instruction_sets,
+        onednn_packs,
+        pack_weight,
+        packed_linear,
+        to_unit_panels,
+    )
     from ops.cpu.quant_linear import (
         int4_linear,
         int8_linear,
@@ -201,14 +209,15 @@ def compute_rates(threads: int, n: int = 2048, k: int = 1536, group: int = 128) 
     w4, w4_scales = pack_w4a8(torch.randint(-7, 8, (n, k), generator=gen), s4)
     bf16 = w.bfloat16()
     bf16_panels = to_unit_panels(bf16, 2)
-    onednn = {rows: torch.ops.mkldnn._reorder_linear_weight(bf16, rows) for rows in RATE_ROWS}  # packed per batch
     calls = {"float32": lambda x: packed_linear(x, packed, None),
-             "bfloat16 oneDNN": lambda x: torch.ops.mkldnn._linear_pointwise(x, onednn[x.shape[0]], None, "none", [],
-                                                                             ""),
              "int8": lambda x: int8_linear(x, p8, s8, None), "int4": lambda x: int4_linear(x, q4, p4, group, n, None),
              "w8a8": lambda x: w8a8_linear(x, w8, s8, None),
              "w4a8": lambda x: w4a8_linear(x, w4, w4_scales, group, n, None)}
-    if instruction_sets()["avx512_bf16"]:
+    if onednn_packs(torch.bfloat16):  # its bfloat16 matmul needs AVX512BW or AVX_NE_CONVERT
+        onednn = {rows: torch.ops.mkldnn._reorder_linear_weight(bf16, rows) for rows in RATE_ROWS}  # packed per batch
+        calls["bfloat16 oneDNN"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, onednn[x.shape[0]], None, "none",
+                                                                                [], "")
+    if instruction_sets()["avx512_bf16"] or bfloat16_panels_preferred():  # vdpbf16ps, or widened to float32
         calls["bfloat16"] = lambda x: bfloat16_linear(x, bf16_panels, None)
     inputs = {rows: torch.randn(rows, k, generator=gen) for rows in RATE_ROWS}
     best: dict[tuple[str, int], float] = {}

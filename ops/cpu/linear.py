@@ -3,9 +3,10 @@
 float32 weights are repacked once into panels (`to_panels`) and multiplied by panel_linear.cpp: on our
 2-core AVX2 machines it ran 1.1-1.4x oneDNN's prepacked matmul from 1 to 64 rows of x (decode batches) and
 1.2x at prefill sizes. bfloat16 weights go into panels of column pairs (`to_unit_panels`) where the CPU has
-AVX512_BF16 but not AMX (vdpbf16ps; benchmarks/quantized.py measures it beside oneDNN's bfloat16), else are
-prepacked for oneDNN, as is float32 where no compiler built the kernels. Same math, same dtype: only the summation order
-differs (bfloat16 products are exact in float32, and the sums are float32 in every path)."""
+AVX512_BF16 but not AMX (vdpbf16ps; benchmarks/quantized.py measures it beside oneDNN's bfloat16), and where
+oneDNN cannot pack bfloat16 at all (AVX2 without AVX_NE_CONVERT: the panels widened to float32 in registers), else
+are prepacked for oneDNN, as is float32 where no compiler built the kernels. Same math, same dtype: only the
+summation order differs (bfloat16 products are exact in float32, and the sums are float32 in every path)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ops.cpu import KernelBuildError, cpu_flags, linear_kernels_available, load_linear_kernels
+from ops.cpu import cpu_flags, linear_kernels_available, load_linear_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -91,16 +92,23 @@ def instruction_sets() -> dict[str, bool]:
 
 @functools.cache
 def bfloat16_panels_preferred() -> bool:
-    """Whether bfloat16 weights go to our vdpbf16ps panels rather than to oneDNN: where the CPU has AVX512_BF16
-    but not AMX. With AMX tiles (Sapphire Rapids and later) oneDNN's bfloat16 matmul ran 2.4x / 5.8x / 10x our
-    panels at 16 / 64 / 256 rows of a 2048 x 1536 layer (0.82x at 1 row; benchmarks/quantized.py's rates)."""
-    return instruction_sets()["avx512_bf16"] and "amx_bf16" not in cpu_flags()
+    """Whether bfloat16 weights go to our panels rather than to oneDNN: where the CPU has AVX512_BF16 but not AMX
+    (vdpbf16ps). With AMX tiles (Sapphire Rapids and later) oneDNN's bfloat16 matmul ran 2.4x / 5.8x / 10x our
+    panels at 16 / 64 / 256 rows of a 2048 x 1536 layer (0.82x at 1 row; benchmarks/quantized.py's rates). And
+    where oneDNN cannot pack bfloat16 (its bfloat16 matmul needs AVX512BW or AVX_NE_CONVERT): the panels widened
+    to float32 in registers read half of float32's bytes, where torch's plain bfloat16 matmul on an AVX2 host ran
+    0.2x float32 at 16 rows and 0.8-1.2x at 1 (benchmarks/results/quantized.md run 16)."""
+    if not linear_kernels_available():
+        return False
+    if instruction_sets()["avx512_bf16"]:
+        return "amx_bf16" not in cpu_flags()
+    return not onednn_packs(torch.bfloat16)
 
 
-def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor | None:
     """`weight` [out, in] packed once for `packed_linear`: float32 panels or bfloat16 pair panels (when `out`
     fills them: the panels then say the output size), or oneDNN's blocked layout for batches of about
-    `batch_size_hint` rows."""
+    `batch_size_hint` rows; None where neither takes it (the caller keeps the plain weight)."""
     out_features, in_features = weight.shape
     with torch.no_grad():
         if out_features % PANEL == 0 and linear_kernels_available():
@@ -108,6 +116,8 @@ def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor:
                 return to_panels(weight.detach())
             if weight.dtype == torch.bfloat16 and in_features % 2 == 0 and bfloat16_panels_preferred():
                 return to_unit_panels(weight.detach(), 2)
+        if not onednn_packs(weight.dtype):
+            return None
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
 
 
@@ -144,17 +154,17 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 @functools.cache
-def packing_available(dtype: torch.dtype) -> bool:
-    """Whether this torch build packs weights of `dtype` and computes with them correctly."""
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs weights of `dtype` on this CPU (and this torch build) and computes with them correctly."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
         weight, x = torch.randn(4, 8, dtype=dtype), torch.randn(3, 8, dtype=dtype)
         with torch.no_grad():
-            return torch.allclose(packed_linear(x, pack_weight(weight, 3), None).float(), F.linear(x, weight).float(),
-                                  atol=0.05)
-    except KernelBuildError:
-        raise  # a broken kernel build must fail loudly, not read as "no oneDNN"
-    except (RuntimeError, AttributeError) as e:  # a torch built without oneDNN, or a changed private op
-        logger.warning("oneDNN linear packing unavailable (%s); using plain matmuls", e)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 3)
+            y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            return torch.allclose(y.float(), F.linear(x, weight).float(), atol=0.05)
+    except (RuntimeError, AttributeError) as e:  # a torch built without oneDNN, a CPU it lacks, a changed private op
+        logger.warning("oneDNN cannot pack %s linear weights here (%s); those go to our panels or plain matmuls",
+                       dtype, e)
         return False

@@ -1,7 +1,7 @@
 """The packed dense linear: float32 weights in panels and bfloat16 ones in pair panels (our kernels;
-bfloat16 where the CPU has AVX512_BF16) and other / odd-sized ones for oneDNN compute what F.linear does;
-oneDNN's rows padded to buckets give the rows' own results, and a batch of any row count up to
-max_num_batched_tokens runs with one of ~100 shapes (oneDNN caches a primitive per shape)."""
+bfloat16 where the CPU has AVX512_BF16, or where oneDNN cannot pack it) and other / odd-sized ones for oneDNN
+compute what F.linear does; oneDNN's rows padded to buckets give the rows' own results, and a batch of any row
+count up to max_num_batched_tokens runs with one of ~100 shapes (oneDNN caches a primitive per shape)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ops.cpu import missing_toolchain
+from ops.cpu import cpu_flags, missing_toolchain
 from ops.cpu.linear import (
     EXACT_ROWS,
     bfloat16_linear,
@@ -17,9 +17,9 @@ from ops.cpu.linear import (
     bucket_rows,
     from_unit_panels,
     instruction_sets,
+    onednn_packs,
     pack_weight,
     packed_linear,
-    packing_available,
     to_unit_panels,
 )
 
@@ -33,7 +33,7 @@ def test_buckets_bound_the_shapes_and_the_padding():
         assert bucket_rows(padded) == padded
 
 
-@pytest.mark.skipif(not packing_available(torch.float32), reason="this torch build has no oneDNN weight packing")
+@pytest.mark.skipif(not onednn_packs(torch.float32), reason="this torch build has no oneDNN weight packing")
 @pytest.mark.parametrize("rows", [1, 4, 5, 64, 65, 100, 300, 1100])
 @pytest.mark.parametrize("out_features,layout_dims", [(48, 3), (40, 2)])  # 40: not whole panels, so oneDNN
 def test_packed_rows_compute_what_the_plain_linear_does(rows, out_features, layout_dims):
@@ -69,12 +69,18 @@ def test_bfloat16_panels_sum_their_products_in_float32(rows, n, k):
     assert out.dtype == torch.bfloat16 and torch.equal(out[:, :n], sums.bfloat16())
 
 
-def test_bfloat16_weights_pack_into_pair_panels_where_the_cpu_has_avx512_bf16_but_not_amx():
-    if missing_toolchain() or not instruction_sets()["avx512_bf16"]:  # at run time: a broken build fails here
-        pytest.skip("bfloat16 panels need AVX512_BF16 (else oneDNN)")
+def test_bfloat16_weights_pack_into_pair_panels_where_ours_are_preferred():
+    """Our panels where the CPU has AVX512_BF16 but not AMX (vdpbf16ps) or oneDNN cannot pack bfloat16 (AVX2:
+    widened in registers); oneDNN's layout elsewhere; never plain matmuls for whole panels."""
+    if missing_toolchain():
+        pytest.skip(f"CPU kernels not compiled: {missing_toolchain()}")
     torch.manual_seed(0)
     weight, bias, x = torch.randn(48, 300).bfloat16(), torch.randn(48).bfloat16(), torch.randn(5, 300).bfloat16()
+    preferred = bfloat16_panels_preferred()
+    assert preferred == (instruction_sets()["avx512_bf16"] and "amx_bf16" not in cpu_flags()
+                         or not onednn_packs(torch.bfloat16))
     packed = pack_weight(weight, 16)
-    assert packed.dim() == (4 if bfloat16_panels_preferred() else 2)  # AMX: oneDNN's tiles
-    assert pack_weight(weight[:40], 16).dim() == 2  # 40 rows: not whole panels, oneDNN
+    assert packed.dim() == (4 if preferred else 2)
+    odd = pack_weight(weight[:40], 16)  # 40 rows: not whole panels: oneDNN's, or plain where it cannot pack them
+    assert odd.dim() == 2 if onednn_packs(torch.bfloat16) else odd is None
     torch.testing.assert_close(packed_linear(x, packed, bias), F.linear(x, weight, bias), atol=0.05, rtol=0.02)

@@ -1,6 +1,6 @@
 """The dense (unquantized) linear method. On CPU its weights are prepacked once after loading (ops/cpu/
-linear.py: float32 into panels for our kernel, bfloat16 for oneDNN; each beat plain sgemm at decode batch
-sizes); elsewhere, F.linear."""
+linear.py: float32 into panels for our kernel, bfloat16 into panels or for oneDNN; each beat plain sgemm at
+decode batch sizes); elsewhere, and for shapes neither takes, F.linear."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 
 from engine.models.layers.quantization.base import QuantMethod, set_weight_attrs
 from ops.cpu.decode_stack import Projection
-from ops.cpu.linear import pack_weight, packed_linear, packing_available
+from ops.cpu.linear import pack_weight, packed_linear
 
 
 class DenseLinearMethod(QuantMethod):
@@ -22,9 +22,10 @@ class DenseLinearMethod(QuantMethod):
 
     def process_weights_after_loading(self, layer: nn.Module, batch_size_hint: int) -> None:
         weight = layer.weight
-        if weight.device.type != "cpu" or not packing_available(weight.dtype):
+        packed = pack_weight(weight, batch_size_hint) if weight.device.type == "cpu" else None
+        if packed is None:
             return
-        layer.register_buffer("packed_weight", pack_weight(weight, batch_size_hint))
+        layer.register_buffer("packed_weight", packed)
         # Kept where it is read elsewhere too: a tied LM head's is the embedding's; MLA's decode reads kv_b_proj's.
         if not getattr(layer, "keeps_weight", False):
             del layer.weight
