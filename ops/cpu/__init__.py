@@ -4,7 +4,7 @@ build per CPU type; `make install` compiles them all ahead, side by side (`pytho
 `load_cpu_kernels()` (paged attention), `load_linear_kernels()` (linear layers over float32, int8 and int4
 weight panels), `load_moe_kernels()` (mixture-of-experts layers), `load_elementwise_kernels()` (RMSNorm,
 rotary embeddings), `load_decode_stack()` (a decode step through a model's layers, calling the others' kernels)
-and `load_sampling_kernels()` (top-p's threshold) return a compiled module. One module each: each rebuilds only
+and `load_sampling_kernels()` (sampling's masks and draw) return a compiled module. One module each: each rebuilds only
 when its own sources change, and a model compiles only the kernels it runs.
 
 Where there is no toolchain (no compiler, or no ninja) they return None, after one warning naming every

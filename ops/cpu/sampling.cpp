@@ -90,8 +90,22 @@ float row_floor(const float* p, int64_t V, double top_p, std::vector<double>& ma
   return floor;
 }
 
+// The sum of p[0, V), in 16 float lanes.
+double row_sum(const float* p, int64_t V) {
+  float lanes[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= V; i += 16) {
+    for (int j = 0; j < 16; ++j) lanes[j] += p[i + j];
+  }
+  double total = 0.0;
+  for (; i < V; ++i) total += p[i];
+  for (float lane : lanes) total += lane;
+  return total;
+}
+
 // out [R, V] = probs [R, V] zeroed below each row's nucleus floor under top_p [R] (1 or more: floor 0) and
-// renormalized: the kept mass summed in 16 lanes, then one scaled write. float32, contiguous.
+// renormalized by the kept mass (the floor's selection sums it; a whole row's in 16 lanes), in one scaled write.
+// float32, contiguous.
 void top_p_mask(at::Tensor& out, const at::Tensor& probs, const at::Tensor& top_p) {
   TORCH_CHECK(probs.scalar_type() == at::kFloat && probs.dim() == 2 && probs.is_contiguous(),
               "top_p_mask: probs contiguous float32 [rows, vocab]");
@@ -109,17 +123,11 @@ void top_p_mask(at::Tensor& out, const at::Tensor& probs, const at::Tensor& top_
     for (int64_t r = begin; r < end; ++r) {
       const float* row = p + r * V;
       float* kept = y + r * V;
-      const float floor = tp[r] < 1.f ? row_floor(row, V, tp[r], mass, count, candidates) : 0.f;
-      float lanes[16] = {};
-      int64_t i = 0;
-      for (; i + 16 <= V; i += 16) {
-        for (int j = 0; j < 16; ++j) lanes[j] += row[i + j] >= floor ? row[i + j] : 0.f;
-      }
       double total = 0.0;
-      for (; i < V; ++i) total += row[i] >= floor ? row[i] : 0.f;
-      for (float lane : lanes) total += lane;
+      const float floor = tp[r] < 1.f ? row_floor(row, V, tp[r], mass, count, candidates, &total) : 0.f;
+      if (!(tp[r] < 1.f)) total = row_sum(row, V);
       const float scale = static_cast<float>(1.0 / total);
-      for (i = 0; i < V; ++i) kept[i] = row[i] >= floor ? row[i] * scale : 0.f;
+      for (int64_t i = 0; i < V; ++i) kept[i] = row[i] >= floor ? row[i] * scale : 0.f;
     }
   });
 }

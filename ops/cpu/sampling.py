@@ -18,26 +18,26 @@ def _kernels_for(x: torch.Tensor):
 def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor | None:
     """`logits` [rows, V] with the values below each row's `top_k`-th largest (top_k [rows]; V or more: none)
     set to -inf, ties with it kept; None where the kernel does not apply."""
-    kernels = _kernels_for(logits)
-    if kernels is None:
-        return None
-    logits = logits.contiguous()
-    masked = torch.empty_like(logits)
-    kernels.top_k_mask(masked, logits, top_k.to(torch.int64).contiguous())
-    return masked
+    return _row_mask("top_k_mask", logits, top_k.to(torch.int64))
 
 
 def top_p_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
     """`probs` [rows, V] zeroed outside each row's nucleus under `top_p` [rows] (a token is kept while the tokens
     ranked above it hold less than top_p; 1 keeps all) and renormalized; None where the kernel does not apply
     (not float32 on CPU, or nothing compiled)."""
-    kernels = _kernels_for(probs)
+    return _row_mask("top_p_mask", probs, top_p.to(torch.float32))
+
+
+def _row_mask(kernel: str, x: torch.Tensor, per_row: torch.Tensor) -> torch.Tensor | None:
+    """A new [rows, V] from the mask kernel `kernel` over `x` with one setting per row; None where it does not
+    apply."""
+    kernels = _kernels_for(x)
     if kernels is None:
         return None
-    probs = probs.contiguous()
-    kept = torch.empty_like(probs)
-    kernels.top_p_mask(kept, probs, top_p.to(torch.float32).contiguous())
-    return kept
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    getattr(kernels, kernel)(out, x, per_row.contiguous())
+    return out
 
 
 def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
