@@ -20,6 +20,10 @@ from serve_app.serve_env import HAPROXY_INGRESS_ENV
 # app whose ingress request router HAProxy consults is refused otherwise): set before any test imports Ray.
 if os.environ.get("PAGEDSERVE_TEST_INGRESS", "haproxy") == "haproxy":
     os.environ.update(HAPROXY_INGRESS_ENV)
+# A test's Ray is started by the test. Without this, a callback of Serve's driver-side client that fires after a
+# fixture's ray.shutdown() starts a Ray of its own (Ray's auto-init), and the cluster's teardown then refuses
+# to remove the head node "connected to this Ray client" (a CI-like run's test_multinode teardown did).
+os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 if TYPE_CHECKING:
     from engine import LLM
