@@ -380,7 +380,12 @@ struct Bf16Columns {
   const uint16_t* w;
   Vec16 single(int64_t k) const { return single_of_pair(*this, k); }
   void pair(int64_t k, Vec16& a, Vec16& b) const { Vec16::from_bf16_pairs(w + k * kPanel, a, b); }
-  void prefetch(int64_t k, int64_t step = 1) const { prefetch_ahead(w, k, kPanel * 2, step); }
+  // Every line: a call at one row of x spans two (4 columns of 32 bytes), and prefetching only the first of
+  // each two read the panels 15-30% slower than no prefetch at all (batch-1 bfloat16 on a 2-core EPYC, Zen 3,
+  // AVX2: 13-16 against 17-20 GB/s); every line read 17-20.
+  void prefetch(int64_t k, int64_t step = 1) const {
+    for (int64_t s = 0; s < step; s += 2) prefetch_ahead(w, k + s, kPanel * 2, 2);
+  }
 };
 #endif
 
