@@ -135,8 +135,10 @@ inline void store_tiles(const float* tiles, int64_t M, const Panel& panel, const
 #ifdef PAGEDSERVE_VEC16
 using pagedserve::Vec16;
 
-// Software prefetch kAhead bytes ahead of a panel's column k (columns `column_bytes` apart), once per cache line
-// when called for every `step`-th column. kLocality: __builtin_prefetch's (3: into L1, 2: into L2).
+// Software prefetch kAhead bytes ahead of a panel's column k (columns `column_bytes` apart) when called for every
+// `step`-th column: once per cache line, or once per call where `step` columns span more than a line (float32
+// panels at few rows of x: one line in four, into L2, whose stream prefetcher fetches the rest; prefetching
+// every line there read no faster). kLocality: __builtin_prefetch's (3: into L1, 2: into L2).
 template <int64_t kAhead = kPrefetchBytes, int kLocality = 3>
 inline void prefetch_ahead(const void* panel, int64_t k, int64_t column_bytes, int64_t step = 1) {
   if ((k * column_bytes) % 64 < step * column_bytes)
