@@ -161,9 +161,8 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     try:
         weight, x = torch.randn(4, 8, dtype=dtype), torch.randn(3, 8, dtype=dtype)
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 3)
-            y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-            return torch.allclose(y.float(), F.linear(x, weight).float(), atol=0.05)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 3)  # not pack_weight: it asks this
+            return torch.allclose(packed_linear(x, packed, None).float(), F.linear(x, weight).float(), atol=0.05)
     except (RuntimeError, AttributeError) as e:  # a torch built without oneDNN, a CPU it lacks, a changed private op
         logger.warning("oneDNN cannot pack %s linear weights here (%s); those go to our panels or plain matmuls",
                        dtype, e)

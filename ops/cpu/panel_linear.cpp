@@ -136,13 +136,20 @@ inline void store_tiles(const float* tiles, int64_t M, const Panel& panel, const
 using pagedserve::Vec16;
 
 // Software prefetch kAhead bytes ahead of a panel's column k (columns `column_bytes` apart) when called for every
-// `step`-th column: once per cache line, or once per call where `step` columns span more than a line (float32
-// panels at few rows of x: one line in four, into L2, whose stream prefetcher fetches the rest; prefetching
-// every line there read no faster). kLocality: __builtin_prefetch's (3: into L1, 2: into L2).
-template <int64_t kAhead = kPrefetchBytes, int kLocality = 3>
+// `step`-th column: once per cache line, also where `step` columns span several (bfloat16 at one row of x: four
+// columns of 32 bytes; prefetching only the first of each two lines read the panels slower than no prefetch at
+// all, 13-16 against 17-20 GB/s on a 2-core EPYC, Zen 3, AVX2; every line read 17-20). kEveryLine false: once
+// per call (float32 panels at few rows of x: one line in four, into L2, whose stream prefetcher fetches the rest;
+// every line read no faster there). kLocality: __builtin_prefetch's (3: into L1, 2: into L2).
+template <int64_t kAhead = kPrefetchBytes, int kLocality = 3, bool kEveryLine = true>
 inline void prefetch_ahead(const void* panel, int64_t k, int64_t column_bytes, int64_t step = 1) {
-  if ((k * column_bytes) % 64 < step * column_bytes)
-    __builtin_prefetch(static_cast<const char*>(panel) + k * column_bytes + kAhead, 0, kLocality);
+  const char* ahead = static_cast<const char*>(panel) + k * column_bytes + kAhead;
+  const int64_t span = step * column_bytes;
+  if (kEveryLine && span > 64) {
+    for (int64_t b = 0; b < span; b += 64) __builtin_prefetch(ahead + b, 0, kLocality);
+  } else if ((k * column_bytes) % 64 < span) {
+    __builtin_prefetch(ahead, 0, kLocality);
+  }
 }
 
 // A panel's columns as 16 float32 lanes each: float32; int8 as integers; int4 as integers or dequantized.
@@ -153,7 +160,7 @@ struct Float32Columns {
   Vec16 single(int64_t k) const { return Vec16::load(w + k * kPanel); }
   void pair(int64_t k, Vec16& a, Vec16& b) const { a = single(k), b = single(k + 1); }
   void prefetch(int64_t k, int64_t step = 1) const {
-    prefetch_ahead<kFloat32PrefetchBytes, 2>(w, k, kPanel * 4, step);
+    prefetch_ahead<kFloat32PrefetchBytes, 2, false>(w, k, kPanel * 4, step);
   }
 };
 
@@ -382,12 +389,7 @@ struct Bf16Columns {
   const uint16_t* w;
   Vec16 single(int64_t k) const { return single_of_pair(*this, k); }
   void pair(int64_t k, Vec16& a, Vec16& b) const { Vec16::from_bf16_pairs(w + k * kPanel, a, b); }
-  // Every line: a call at one row of x spans two (4 columns of 32 bytes), and prefetching only the first of
-  // each two read the panels 15-30% slower than no prefetch at all (batch-1 bfloat16 on a 2-core EPYC, Zen 3,
-  // AVX2: 13-16 against 17-20 GB/s); every line read 17-20.
-  void prefetch(int64_t k, int64_t step = 1) const {
-    for (int64_t s = 0; s < step; s += 2) prefetch_ahead(w, k + s, kPanel * 2, 2);
-  }
+  void prefetch(int64_t k, int64_t step = 1) const { prefetch_ahead(w, k, kPanel * 2, step); }
 };
 #endif
 
