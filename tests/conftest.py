@@ -28,6 +28,20 @@ os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 if TYPE_CHECKING:
     from engine import LLM
 
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "ray: runs on a Ray instance (set on every test that starts or joins one)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by it
+def pytest_collection_modifyitems(items):
+    # `make test` runs the tests without Ray on two workers (most use one core: an engine of one thread, a
+    # tokenizer, a process starting) and then the Ray tests alone, in one process, sharing one Ray instance
+    # (tests/serve_app/conftest.py) and keeping the cores to themselves.
+    for item in items:
+        if "ray_session" in getattr(item, "fixturenames", ()) or item.get_closest_marker("own_ray"):
+            item.add_marker(pytest.mark.ray)
+
 TINY = "pagedserve-tiny"
 
 _SMALL = dict(

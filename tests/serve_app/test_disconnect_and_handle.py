@@ -16,7 +16,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(serve_app_url, engine_han
     disconnect_mid_stream(serve_app_url, engine_handle)  # through the ingress, which cancels its handle call
 
 
-def test_handle_chat_and_completions():
+def test_handle_chat_and_completions(serve_app_url):
     from ray import serve
 
     handle = serve.get_app_handle(APP).options(stream=True)
