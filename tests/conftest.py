@@ -42,6 +42,7 @@ def pytest_collection_modifyitems(items):
         if "ray_session" in getattr(item, "fixturenames", ()) or item.get_closest_marker("own_ray"):
             item.add_marker(pytest.mark.ray)
 
+
 TINY = "pagedserve-tiny"
 
 _SMALL = dict(
