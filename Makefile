@@ -48,7 +48,7 @@ PROXY_TESTS := tests/serve_app/test_errors.py \
 	tests/serve_app/test_direct_streaming.py::test_disconnect_mid_stream_aborts_and_frees_blocks
 
 # The linter first (pyproject.toml [tool.ruff]). Then the tests without Ray on two workers (most use one core
-# and half the machine would idle: ~40% less time), then the Ray tests (the `ray` marker, tests/conftest.py) in
+# and left 46% of the machine idle: 28-34% less time), then the Ray tests (the `ray` marker, tests/conftest.py) in
 # one process, sharing one Ray instance and nothing else running beside them. --durations: the slowest tests
 # in CI's log, and the suite's whole time at the end, to keep it in view (its budget is 12 minutes on 2 cores).
 test: install

@@ -35,9 +35,7 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by it
 def pytest_collection_modifyitems(items):
-    # `make test` runs the tests without Ray on two workers (most use one core: an engine of one thread, a
-    # tokenizer, a process starting) and then the Ray tests alone, in one process, sharing one Ray instance
-    # (tests/serve_app/conftest.py) and keeping the cores to themselves.
+    # `make test` runs the tests without Ray on two workers, then the Ray tests alone (the Makefile says why).
     for item in items:
         if "ray_session" in getattr(item, "fixturenames", ()) or item.get_closest_marker("own_ray"):
             item.add_marker(pytest.mark.ray)
