@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -62,8 +63,17 @@ def ray_session(span_receiver):  # the receiver first: it stops after Serve, who
         os.environ.update({**SERVE_ENV, **HAPROXY_PORTS_ENV})
     # A Ray of its own even where another session's cluster runs on this host (ray.init() would join the one
     # ray.cluster_utils last started); metrics reach Prometheus every 2 s instead of 10 (test_metrics.py waits)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             _system_config={"metrics_report_interval_ms": 2000})
+    for attempt in (1, 2):
+        try:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False, _system_config={"metrics_report_interval_ms": 2000})
+            break
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception
+            # Once in a suite run (2026-12-07), after the tests that run their own Ray, this Ray's raylet never
+            # reached its main and ray.init gave up after 30 s; the next start worked. Started again once, said.
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
+            warnings.warn(f"ray.init failed ({e}); starting Ray again", stacklevel=1)
     serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
     yield
     serve.shutdown()
