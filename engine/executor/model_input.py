@@ -53,6 +53,9 @@ class ModelInput:
     # Data parallelism: every DP rank's tokens in this step, in DP rank order (the MoE layers gather them); 0 for a
     # rank that runs a one-token dummy step.
     dp_num_tokens: list[int] | None = None
+    # Whether logit_rows is every token row in order (a decode-only step's usual case): the model may then give the
+    # logits of its whole output without a gather (engine/models/llama.py's decode_logits).
+    logits_of_every_row: bool = False
 
     @classmethod
     def build(cls, input_ids: list[int], starts: list[int], q_lens: list[int], block_tables: np.ndarray,
@@ -79,7 +82,8 @@ class ModelInput:
         return cls(np.asarray(input_ids, dtype=np.int64), positions, query_start_loc, starts_np + q_lens_np,
                    num_decodes, block_tables, slot_mapping.astype(np.int64),
                    np.asarray(logit_rows if logit_rows is not None else [], dtype=np.int64), lora_slots=token_slots,
-                   window_block_tables=list(window_block_tables) or None, window_slot_mappings=window_slots or None)
+                   window_block_tables=list(window_block_tables) or None, window_slot_mappings=window_slots or None,
+                   logits_of_every_row=logit_rows is not None and logit_rows == list(range(num_tokens)))
 
     @property
     def num_tokens(self) -> int:

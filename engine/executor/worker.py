@@ -15,6 +15,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -101,6 +102,8 @@ class Worker:
         self.lora = LoRASlots(self.model, config.max_loras, config.max_lora_rank, spec.dtype, device) \
             if config.enable_lora else None
         pin_submodules(self.model)
+        # Whether the model may take a decode-only step's logits in one call (engine/models/llama.py's decode_logits)
+        self._has_decode_logits = hasattr(self.model, "decode_logits")
         self.pp = groups.pp if groups is not None else None
         self.kv_connector = create_kv_connector(config, spec.model_config, spec.dtype, "worker",
                                                 rank=groups.world.global_rank if groups is not None else 0)
@@ -197,6 +200,12 @@ class Worker:
         self._sends = []
         dev = self.device
         self._set_threads(inp.num_tokens)
+        if self._decodes_in_one_call(inp):
+            tables, lens = (torch.from_numpy(a.astype(np.int32)) for a in (inp.block_tables, inp.seq_lens))
+            ids, pos, slots = (torch.from_numpy(a) for a in (inp.input_ids, inp.positions, inp.slot_mapping))
+            logits = self.model.decode_logits(ids, pos, tables, lens, slots, self.config.block_size)
+            if logits is not None:
+                return logits
         self.attn_backend.plan(inp.attention_metadata(dev, self.kv_groups.windows))
         meta = inp.kv_meta
         layers = self.model.attention_layers
@@ -236,6 +245,16 @@ class Worker:
         if not len(inp.logit_rows):
             return None
         return self.model.compute_logits(out[torch.from_numpy(inp.logit_rows).to(dev)])
+
+    def _decodes_in_one_call(self, inp: ModelInput) -> bool:
+        """Whether the model may take this step whole through decode_logits: every token decodes and samples, on
+        the CPU kernels, with nothing around the plain forward (no other stage or DP rank, KV transfer, adapter,
+        image, window group or kept hidden states)."""
+        return (self._has_decode_logits and inp.logits_of_every_row and inp.num_decodes == inp.num_tokens
+                and self.attn_backend.decodes_on_cpu_kernels and self.pp is None and inp.kv_meta is None
+                and inp.previous_hidden is None and inp.lora_slots is None and not inp.mm_placements
+                and inp.mrope_positions is None and inp.window_block_tables is None and inp.dp_num_tokens is None
+                and inp.pool_segments is None and not self.keep_hidden_states)
 
     def _image_embeds(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
         """(token rows, embeddings) of the step's image placeholders, encoding the images it brings first."""

@@ -33,7 +33,7 @@ from engine.models.layers.linear import copy_checked
 from engine.models.layers.quantization import QuantizationConfig
 from ops.attention import AttentionBackend
 from ops.cpu import elementwise
-from ops.cpu.decode_stack import DecodeLayer, build_decode_stack
+from ops.cpu.decode_stack import DecodeLayer, attach_head, build_decode_stack
 
 # What a pipeline stage hands the next one: (hidden states, residual).
 IntermediateTensors = tuple[torch.Tensor, torch.Tensor]
@@ -249,6 +249,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if self.model.is_last_stage else None
         if cfg.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.tie_to(self.model.embed_tokens)
+        self._decode_head_stack = None  # the decode stack decode_logits last handed the head to, and whether it took it
+        self._decode_head = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
                 intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
@@ -258,6 +260,46 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits on the rank that samples, None on its TP peers."""
         return self.lm_head.compute_logits(hidden)
+
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor | None:
+        """Every token's logits for a step whose every token decodes, in one C++ call from the embedding to the LM
+        head (decode_stack.cpp's logits), as forward then compute_logits would give them: input_ids, positions and
+        slot_mapping int64 [n], block_tables int32 [n, max_blocks], seq_lens int32 [n], for an attention backend
+        that decodes on the CPU kernels (not planned: the stack reads these itself). None where this model does not
+        qualify; the caller then plans and runs those. Why: after a step's weights have streamed through the caches,
+        each torch op's Python and dispatch runs from memory at ~50 us apiece (the attention plan, the embedding,
+        the final norm, the row gather and the LM head's call: ~0.4 ms of a 7 ms step of the 56M model at batch 1)."""
+        stack = self.model.decode_stack()
+        if stack is None:
+            return None
+        if stack is not self._decode_head_stack:
+            self._decode_head_stack, self._decode_head = stack, self._attach_decode_head(stack)
+        if not self._decode_head:
+            return None
+        return stack.logits(input_ids, positions, block_tables, seq_lens, slot_mapping, block_size)
+
+    def _attach_decode_head(self, stack) -> bool:
+        """Hand `stack` the embedding, final norm and LM head; False where they are not the plain ones whose
+        computation logits() repeats: one stage and one rank, no subclass's forward, embedding or logits, the LM
+        head on our panels."""
+        model, head = self.model, self.lm_head
+        cls, model_cls = type(self), type(model)
+        plain = (cls.forward is LlamaForCausalLM.forward and cls.compute_logits is LlamaForCausalLM.compute_logits
+                 and model_cls.forward is LlamaModel.forward and model_cls.embed is LlamaModel.embed
+                 and model.is_first_stage and model.is_last_stage and type(model.norm) is RMSNorm
+                 and type(model.embed_tokens) is VocabParallelEmbedding and type(head) is ParallelLMHead
+                 and model.embed_tokens.tp_size == 1 and head.tp_size == 1)
+        projection = head.quant_method.decode_projection(head) if plain else None
+        if projection is None:
+            return False
+        dtype = model.stage_layers[0].self_attn.kv_cache.dtype
+        embedding = model.embed_tokens.weight
+        if embedding.dtype != dtype or not embedding.is_contiguous():
+            return False
+        attach_head(stack, embedding, model.norm.weight.to(dtype).contiguous(), model.norm.eps, projection,
+                    head.num_embeddings)
+        return True
 
     @classmethod
     def fused_modules(cls) -> dict[str, list[str]]:

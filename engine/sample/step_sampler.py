@@ -18,6 +18,7 @@ from engine.sample.sampler import (
     SamplingMetadata,
     build_sampling_metadata,
     gather_logprobs,
+    greedy_tokens,
     processed_probs,
 )
 from engine.spec_decode.rejection_sampler import accept_greedy, rejection_sample
@@ -51,13 +52,24 @@ class StepSampler:
         self.sampler, self.device, self.vocab_size = sampler, device, vocab_size
         self.structured_output = structured_output
 
-    @torch.inference_mode()
     def sample(self, plan: StepPlan, logits: torch.Tensor | None) -> StepOutput:
         """Sample (and verify drafts, and gather logprobs) from the step's logits."""
-        so, samplers, num_sampled, draft_probs = plan.so, plan.samplers, plan.num_sampled, plan.draft_probs
+        so, samplers = plan.so, plan.samplers
         out = StepOutput.empty(len(so.requests))
         if logits is None:
             return out
+        if (samplers and plan.num_sampled == len(samplers) == len(logits) and not plan.prompt_rows
+                and all(_argmax_only(so.requests[j]) for j in samplers)):
+            # Greedy rows and nothing else asked: their argmax, without the batched sampler's tensors (each torch
+            # op runs from memory after the step's weights streamed through the caches, ~50 us apiece).
+            for j, token in zip(samplers, greedy_tokens(logits)):
+                out.sampled_token_ids[j] = token
+            return out
+        return self._sample(plan, logits, out)
+
+    @torch.inference_mode()
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, out: StepOutput) -> StepOutput:
+        so, samplers, num_sampled, draft_probs = plan.so, plan.samplers, plan.num_sampled, plan.draft_probs
         if samplers:
             requests = [so.requests[j] for j in samplers]
             speculating = num_sampled > len(samplers)
@@ -143,6 +155,12 @@ class StepSampler:
                 out.logprobs[j] = trimmed[-1]
                 if len(trimmed) > 1:
                     out.draft_logprobs[j] = trimmed[:-1]
+
+
+def _argmax_only(request: Request) -> bool:
+    """Whether the request's token is its row's argmax, with no mask, bias, penalty or logprobs first."""
+    params = request.sampling_params
+    return params.greedy and not params.needs_row_extras and request.grammar is None and request.thinking is None
 
 
 def _force_thinking_tags(logits: torch.Tensor, requests: list[Request]) -> None:

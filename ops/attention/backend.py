@@ -108,3 +108,10 @@ class AttentionBackend(ABC):
         """(block_tables int32, seq_lens int32, k_rows int64) of a planned step whose every token decodes, for
         ops/cpu/decode_stack.py's one-call layers, where this backend runs the CPU kernels; else None."""
         return None
+
+    @property
+    def decodes_on_cpu_kernels(self) -> bool:
+        """Whether this backend attends decode tokens with the CPU kernels, which decode_stack.cpp calls itself:
+        a step whose every token decodes may then skip `plan` and run there (engine/models/llama.py's
+        decode_logits)."""
+        return False

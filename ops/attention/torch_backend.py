@@ -126,6 +126,10 @@ class TorchAttentionBackend(AttentionBackend):
             decode_ids = block_tables[:nd, : self._decode_num_blocks].reshape(-1).long() if gather else None
             self._tables[window] = _TablePlan(k_rows, v_rows, block_tables[:nd], decode_ids, prefill_ids)
 
+    @property
+    def decodes_on_cpu_kernels(self) -> bool:
+        return self._cpu_kernels is not None
+
     def cpu_decode_plan(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         md = self.metadata
         if self._cpu_kernels is None or not self._num_decodes == md.num_tokens == md.num_seqs or md.window_groups:

@@ -11,6 +11,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -99,6 +100,52 @@ class DecodeStack {
     }
   }
 
+  // The rest of a whole model's decode step, for logits(): the embedding table [vocab rows, hidden], the final
+  // norm's weight and eps, and the LM head (its panels' output columns, of which the first `vocab` are logits).
+  void set_head(at::Tensor embedding, at::Tensor norm, double norm_eps, const ProjectionArgs& lm_head, int64_t vocab) {
+    TORCH_CHECK(embedding.dim() == 2 && embedding.size(1) == shape_.hidden && embedding.is_contiguous() &&
+                    embedding.scalar_type() == dtype_ && norm.numel() == shape_.hidden && norm.is_contiguous() &&
+                    norm.scalar_type() == dtype_,
+                "DecodeStack: the embedding [vocab, hidden] and the final norm in the model's dtype, contiguous");
+    head_ = Head{std::move(embedding), std::move(norm), norm_eps, projection_of(lm_head), vocab};
+  }
+
+  // A decode step from token ids to logits [n, vocab] in the model's dtype: the embedding's rows, every layer
+  // (forward), the final norm and the LM head. input_ids and slot_mapping int64 [n] (each token's KV slot:
+  // block * block_size + offset); the rest as forward takes them.
+  at::Tensor logits(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& block_tables,
+                    const at::Tensor& seq_lens, const at::Tensor& slot_mapping, int64_t block_size) const {
+    TORCH_CHECK(head_, "DecodeStack: logits() needs set_head() first");
+    const Head& head = *head_;
+    TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() &&
+                    slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                    slot_mapping.numel() == input_ids.numel() && block_size > 0,
+                "DecodeStack: input_ids and slot_mapping int64 [tokens]");
+    const int64_t n = input_ids.size(0), rows = head.embedding.size(0);
+    // The row of each token's K in the cache viewed as [blocks * 2 * block_size, kv_heads, head_dim]
+    // (ops/attention/backend.py's kv_rows)
+    at::Tensor k_rows = at::detail::empty_cpu({n}, at::kLong, false, std::nullopt);
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i)
+      k_rows.data_ptr<int64_t>()[i] = slots[i] / block_size * 2 * block_size + slots[i] % block_size;
+    const int64_t row_bytes = shape_.hidden * static_cast<int64_t>(head.embedding.element_size());
+    at::Tensor x = empty({n, shape_.hidden});
+    const int64_t* ids = input_ids.data_ptr<int64_t>();
+    const char* table = static_cast<const char*>(head.embedding.data_ptr());
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(ids[i] >= 0 && ids[i] < rows, "DecodeStack: token id ", ids[i], " outside the embedding's ", rows,
+                  " rows");
+      std::memcpy(static_cast<char*>(x.data_ptr()) + i * row_bytes, table + ids[i] * row_bytes, row_bytes);
+    }
+    auto [h, res] = forward(x, std::nullopt, positions, block_tables, seq_lens, k_rows);
+    at::Tensor normed = empty({n, shape_.hidden}), sum = empty({n, shape_.hidden});
+    rms_norm_(normed, sum, h, res, head.norm, head.norm_eps);
+    const int64_t columns = head.lm_head.weight.size(0) * 16;  // the panels' padded output columns
+    at::Tensor out = empty({n, columns});
+    linear(out, normed, head.lm_head);
+    return columns == head.vocab ? out : out.narrow(1, 0, head.vocab);
+  }
+
   // x [n, hidden] (n decoding sequences, one token each), residual as the Python layers pass it (None before the
   // first layer); positions int64 [n]; block_tables int32 [n, max_blocks], seq_lens int32 [n] and k_rows int64 [n]
   // as the torch attention backend plans them. Returns (hidden states, residual) after the last layer.
@@ -109,15 +156,6 @@ class DecodeStack {
     TORCH_CHECK(x.dim() == 2 && x.size(1) == s.hidden && x.scalar_type() == dtype_ && x.is_contiguous(),
                 "DecodeStack: x [tokens, ", s.hidden, "], contiguous, in the model's dtype");
     const int64_t n = x.size(0), D = s.head_dim, qkv_width = (s.heads + 2 * s.kv_heads) * D;
-    const auto empty = [&](std::initializer_list<int64_t> sizes) {
-      return at::detail::empty_cpu(sizes, dtype_, false, std::nullopt);
-    };
-    const auto linear = [&](const at::Tensor& out, const at::Tensor& in, const Projection& p) {
-      for (int64_t r = 0; r < n; r += kRowBlock) {
-        const int64_t rows = std::min(kRowBlock, n - r);
-        project(p, rows == n ? out : out.narrow(0, r, rows), rows == n ? in : in.narrow(0, r, rows));
-      }
-    };
     at::Tensor res = residual ? *residual : at::Tensor();
     for (const Layer& l : layers_) {
       at::Tensor h = empty({n, s.hidden});
@@ -157,6 +195,26 @@ class DecodeStack {
   }
 
  private:
+  struct Head {
+    at::Tensor embedding, norm;
+    double norm_eps;
+    Projection lm_head;
+    int64_t vocab;
+  };
+
+  at::Tensor empty(std::initializer_list<int64_t> sizes) const {
+    return at::detail::empty_cpu(sizes, dtype_, false, std::nullopt);
+  }
+
+  // out = in times p's weight, kRowBlock rows of in at a time
+  void linear(const at::Tensor& out, const at::Tensor& in, const Projection& p) const {
+    const int64_t n = in.size(0);
+    for (int64_t r = 0; r < n; r += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, n - r);
+      project(p, rows == n ? out : out.narrow(0, r, rows), rows == n ? in : in.narrow(0, r, rows));
+    }
+  }
+
   template <typename Kernel>
   static Kernel kernel(const pybind11::dict& kernels, const char* name, const char* signature) {
     TORCH_CHECK(kernels.contains(name), "DecodeStack: no ", name, " kernel given");
@@ -181,6 +239,7 @@ class DecodeStack {
   pagedserve::StoreKvKernel store_kv_;
   pagedserve::DecodeAttentionKernel attention_;
   std::vector<Layer> layers_;
+  std::optional<Head> head_;
   at::Tensor cos_, sin_;
   at::Tensor no_sinks_ = at::detail::empty_cpu({0}, at::kFloat, false, std::nullopt);
   double eps_, scale_;
@@ -194,5 +253,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const pybind11::dict&, const std::vector<LayerArgs>&, at::Tensor, at::Tensor, double, double,
                           int64_t, int64_t, int64_t, int64_t, int64_t>())
-      .def("forward", &DecodeStack::forward, "A decode step through every layer: (hidden states, residual)");
+      .def("forward", &DecodeStack::forward, "A decode step through every layer: (hidden states, residual)")
+      .def("set_head", &DecodeStack::set_head, "The embedding, final norm and LM head that logits() adds")
+      .def("logits", &DecodeStack::logits, "A decode step from token ids to logits");
 }

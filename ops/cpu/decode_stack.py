@@ -64,3 +64,12 @@ def build_decode_stack(layers: list[DecodeLayer], cos: torch.Tensor, sin: torch.
                for name in names}
     return stack.DecodeStack(kernels, [_as_tuple(layer) for layer in layers], cos, sin, eps, scale, hidden_size,
                              intermediate_size, num_heads, num_kv_heads, head_dim)
+
+
+def attach_head(stack, embedding: torch.Tensor, norm: torch.Tensor, eps: float, lm_head: Projection,
+                vocab_size: int) -> None:
+    """Give `stack` what its logits(input_ids, positions, block_tables, seq_lens, k_rows) adds around the layers:
+    the embedding table [rows, hidden], the final RMSNorm's weight and eps (all in the layers' dtype), and the LM
+    head, whose first `vocab_size` output columns are the logits."""
+    stack.set_head(embedding, norm, eps, _as_tuple(lm_head), vocab_size)
+

@@ -235,7 +235,9 @@ def test_event_loop_stays_responsive_while_saturated():
     llm = AsyncLLM(EngineConfig(model="pagedserve-56m", max_model_len=1024, max_num_seqs=64))
 
     async def run():
-        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        # Enough work to outlast the ~3 s the 100 ticks take on 2 busy cores (64 tokens each did not, once the decode
+        # steps ran from token ids to logits in one call)
+        params = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
         tasks = [asyncio.create_task(_collect(llm, list(range(1, 300 + i)), params)) for i in range(48)]
         await _wait_until(lambda: llm.stats.num_running > 16, timeout=60)
         delays = []
