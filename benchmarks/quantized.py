@@ -8,8 +8,9 @@ by side with llama.cpp's f32, q8_0 and q4_0 on the same weights.
 Run it from the repository root with `-m` (so that this checkout's engine is imported). Each batch size
 runs B requests of --prompt-len random tokens, greedy, ignore_eos, T + 1 output tokens; decode tokens/s =
 B * T / the time from the step where every request has its first token to the last step. Each system
-runs --rounds times, interleaved with the others, and its best round counts (our formats' ratios to each other:
-the median of their ratios round by round, each round running them back to back). llama.cpp:
+runs --rounds times, interleaved with the others, and its best round counts; ratios are the median of the
+ratios round by round, each round running our formats, then llama.cpp's, back to back (on a host whose speed
+moves by a fifth between minutes, best against best compared rounds minutes apart). llama.cpp:
 `llama-batched-bench -npp P -ntg T -npl B` on GGUF files converted from the same checkpoint, quantized with
 `llama-quantize --leave-output-tensor` so that its LM head stays f32 as ours does (S_TG: its decode rate).
 llama.cpp is built by benchmarks/peers/llamacpp.py. `python -m benchmarks.peers --formats` runs this after
@@ -80,8 +81,9 @@ def read_bytes(llm: LLM) -> int:
     return weight_bytes(model) - (0 if model.config.tie_word_embeddings else embed.numel() * embed.element_size())
 
 
-def bench_ours(model: str, args) -> tuple[dict, dict]:
-    """(name, batch) -> decode tokens/s of every round; name -> weight bytes a step reads."""
+def bench_ours(model: str, args, peer_round=None) -> tuple[dict, dict]:
+    """(name, batch) -> decode tokens/s of every round; name -> weight bytes a step reads. `peer_round(batch)`:
+    a peer's {(name, batch): tokens/s}, run in each round right after ours, whose rates join the rounds."""
     blocks_per_request = -(-(args.prompt_len + args.decode_tokens + 2) // 16)
     blocks = max(args.batches) * blocks_per_request + 8
     checkpoints = {name: model for name in OURS if name in args.systems}
@@ -99,13 +101,15 @@ def bench_ours(model: str, args) -> tuple[dict, dict]:
             for name, llm in engines.items():  # interleaved: load changes hit every system alike
                 rounds.setdefault((name, batch), []).append(decode_rate(llm, batch, args.prompt_len,
                                                                         args.decode_tokens))
+            for key, rate in (peer_round(batch) if peer_round else {}).items():
+                rounds.setdefault(key, []).append(rate)
     return rounds, {name: read_bytes(llm) for name, llm in engines.items()}
 
 
 def paired_ratio(rounds: dict[tuple[str, int], list[float]], a: str, b: str, batch: int) -> float | None:
-    """a / b as the median of their ratios round by round: each round runs our formats back to back, seconds
-    apart, where best-of-rounds rates may come from rounds minutes apart (this host's memory bandwidth moved
-    30-47 GB/s within an hour, and batch 1 follows it)."""
+    """a / b as the median of their ratios round by round: each round runs our formats (and llama.cpp's) back to
+    back, seconds apart, where best-of-rounds rates may come from rounds minutes apart (this host's memory
+    bandwidth moved 30-47 GB/s within an hour, and batch 1 follows it)."""
     if (a, batch) not in rounds or (b, batch) not in rounds:
         return None
     return statistics.median(x / y for x, y in zip(rounds[a, batch], rounds[b, batch]))
@@ -148,28 +152,34 @@ def bench_vllm(model: str, args) -> dict:
     return rates
 
 
-def bench_llamacpp(model: str, args) -> dict:
+def llamacpp_rounds(model: str, args):
+    """llama.cpp's formats of `model` (GGUFs written once), and a function that runs each once at one batch size:
+    batch -> {("llama.cpp <format>", batch): decode tokens/s}."""
     from benchmarks.peers import llamacpp
 
     built = llamacpp.build()
     path = materialize_builtin(model)
     folder = llamacpp.cache_dir() / "models"
     f32 = llamacpp.convert_to_gguf(path, folder / f"{path.name}-f32.gguf", "f32", llama=built)
-    rates = {}
-    for _ in range(args.rounds):
-        for name, qtype in LLAMACPP.items():
-            gguf = f32 if qtype is None else folder / f"{path.name}-{name}-keep-output.gguf"
-            if qtype is not None and not gguf.is_file():
-                llamacpp.quantize(f32, gguf, qtype, leave_output_tensor=True, llama=built)
-            ctx = max(args.batches) * (args.prompt_len + args.decode_tokens) + 64
+    ggufs = {}
+    for name, qtype in LLAMACPP.items():
+        ggufs[name] = f32 if qtype is None else folder / f"{path.name}-{name}-keep-output.gguf"
+        if qtype is not None and not ggufs[name].is_file():
+            llamacpp.quantize(f32, ggufs[name], qtype, leave_output_tensor=True, llama=built)
+
+    def run(batch: int) -> dict[tuple[str, int], float]:
+        rates = {}
+        for name, gguf in ggufs.items():
+            ctx = batch * (args.prompt_len + args.decode_tokens) + 64
             cmd = [str(built.batched_bench), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512",
-                   "-npp", str(args.prompt_len), "-ntg", str(args.decode_tokens),
-                   "-npl", ",".join(map(str, args.batches)), "-t", str(args.threads)]
+                   "-npp", str(args.prompt_len), "-ntg", str(args.decode_tokens), "-npl", str(batch),
+                   "-t", str(args.threads)]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             for row in re.finditer(r"^\|\s*\d+\s*\|\s*\d+\s*\|\s*(\d+)\s*\|(?:[^|]*\|){4}\s*([\d.]+)\s*\|", out, re.M):
-                key = (name, int(row.group(1)))
-                rates[key] = max(rates.get(key, 0.0), float(row.group(2)))
-    return rates
+                rates[f"llama.cpp {name}", int(row.group(1))] = float(row.group(2))
+        return rates
+
+    return run
 
 
 RATE_ROWS = (1, 16, 64, 256)
@@ -248,9 +258,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     for model in args.models:
-        rounds, nbytes = bench_ours(model, args)
-        ours = {key: max(rates) for key, rates in rounds.items()}
-        peer = {} if args.no_llamacpp else bench_llamacpp(model, args)
+        rounds, nbytes = bench_ours(model, args, None if args.no_llamacpp else llamacpp_rounds(model, args))
+        best = {key: max(rates) for key, rates in rounds.items()}
+        ours = {key: rate for key, rate in best.items() if key[0] in OURS or key[0] == "ct w8a8"}
+        peer = {(name.removeprefix("llama.cpp "), b): rate for (name, b), rate in best.items()
+                if name.startswith("llama.cpp ")}
         vllm = bench_vllm(model, args) if args.vllm else {}
         print(f"\n## {model}: decode tokens/s ({args.prompt_len}-token prompts, {args.decode_tokens} decoded, "
               f"{args.threads} threads, best of {args.rounds})\n")
@@ -258,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
                  + [f"llama.cpp {n}" for n in LLAMACPP if peer]
                  + [f"vLLM {d}" for d in VLLM if any(key[0] == f"vLLM {d}" for key in vllm)])
         ratios = [("int8/f32", "int8", "float32"), ("int4/f32", "int4", "float32"), ("bf16/f32", "bfloat16", "float32"),
-                  ("w8a8/bf16", "w8a8", "bfloat16"), ("int8/q8_0", "int8", "llama.cpp q8_0"),
+                  ("w8a8/bf16", "w8a8", "bfloat16"), ("f32/llama f32", "float32", "llama.cpp f32"),
+                  ("int8/q8_0", "int8", "llama.cpp q8_0"),
                   ("w8a8/q8_0", "w8a8", "llama.cpp q8_0"), ("int4/q4_0", "int4", "llama.cpp q4_0"),
                   ("w4a8/q4_0", "w4a8", "llama.cpp q4_0"), ("f32/vLLM f32", "float32", "vLLM float32"),
                   ("bf16/vLLM bf16", "bfloat16", "vLLM bfloat16"), ("w8a8/vLLM w8a8", "ct w8a8", "vLLM ct w8a8")]
@@ -270,13 +283,13 @@ def main(argv: list[str] | None = None) -> None:
                    | {f"llama.cpp {n}": peer.get((n, batch)) for n in LLAMACPP}
                    | {name: rate for (name, b), rate in vllm.items() if b == batch})
             cells = [f"{row[n]:.1f}" if row.get(n) else "-" for n in names]
-            for _, a, b in ratios:  # ours against ours: paired round by round; against a peer: best against best
-                ratio = (paired_ratio(rounds, a, b, batch) if a in OURS and b in OURS
+            for _, a, b in ratios:  # paired round by round, but against vLLM (its runs are not interleaved)
+                ratio = (paired_ratio(rounds, a, b, batch) if not b.startswith("vLLM")
                          else row[a] / row[b] if row.get(a) and row.get(b) else None)
                 cells.append(f"{ratio:.2f}x" if ratio else "-")
             print(f"| {batch} | " + " | ".join(cells) + " |")
-        print("\n(ratios of our formats to each other: the median over rounds of each round's ratio; to a peer: best "
-              "round against best round)")
+        print("\n(rates: the best round; ratios: the median over rounds of each round's ratio, llama.cpp run in each "
+              "round right after ours; to vLLM: best round against best round)")
         if "float32" in nbytes:
             print("\nweight bytes read per decode step, and the speed-up over float32 those bytes allow:")
             for name, n in nbytes.items():
