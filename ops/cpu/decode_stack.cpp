@@ -253,7 +253,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const pybind11::dict&, const std::vector<LayerArgs>&, at::Tensor, at::Tensor, double, double,
                           int64_t, int64_t, int64_t, int64_t, int64_t>())
-      .def("forward", &DecodeStack::forward, "A decode step through every layer: (hidden states, residual)")
+      // Without the GIL: where the engine's loop runs on a thread of a serving process (AsyncLLM's default), a
+      // step's one call would otherwise hold that process's event loop for the whole forward.
+      .def("forward", &DecodeStack::forward, "A decode step through every layer: (hidden states, residual)",
+           pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("set_head", &DecodeStack::set_head, "The embedding, final norm and LM head that logits() adds")
-      .def("logits", &DecodeStack::logits, "A decode step from token ids to logits");
+      .def("logits", &DecodeStack::logits, "A decode step from token ids to logits",
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }
