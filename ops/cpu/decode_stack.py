@@ -1,7 +1,7 @@
-"""A decode step through a stage's decoder layers in one call to decode_stack.cpp (its header says why). The model
-(engine/models/llama.py) decides which layers qualify and hands over their tensors, each linear layer as its quant
-method describes it (`Projection`); this builds the C++ stack over our other kernel modules, or returns None where
-one of them is missing (no compiler)."""
+"""A decode step through a stage's decoder layers in one call to decode_stack.cpp (its header says why), and for a
+whole model from token ids to logits (`attach_head`). The model (engine/models/llama.py) decides which layers
+qualify and hands over their tensors, each linear layer as its quant method describes it (`Projection`); this
+builds the C++ stack over our other kernel modules, or returns None where one of them is missing (no compiler)."""
 
 from __future__ import annotations
 
@@ -68,8 +68,7 @@ def build_decode_stack(layers: list[DecodeLayer], cos: torch.Tensor, sin: torch.
 
 def attach_head(stack, embedding: torch.Tensor, norm: torch.Tensor, eps: float, lm_head: Projection,
                 vocab_size: int) -> None:
-    """Give `stack` what its logits(input_ids, positions, block_tables, seq_lens, k_rows) adds around the layers:
-    the embedding table [rows, hidden], the final RMSNorm's weight and eps (all in the layers' dtype), and the LM
-    head, whose first `vocab_size` output columns are the logits."""
+    """Give `stack` what its logits(input_ids, positions, block_tables, seq_lens, slot_mapping, block_size) adds
+    around the layers: the embedding table [rows, hidden], the final RMSNorm's weight and eps (all in the layers'
+    dtype), and the LM head, whose first `vocab_size` output columns are the logits."""
     stack.set_head(embedding, norm, eps, _as_tuple(lm_head), vocab_size)
-
