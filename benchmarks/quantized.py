@@ -259,15 +259,12 @@ def main(argv: list[str] | None = None) -> None:
 
     for model in args.models:
         rounds, nbytes = bench_ours(model, args, None if args.no_llamacpp else llamacpp_rounds(model, args))
-        best = {key: max(rates) for key, rates in rounds.items()}
-        ours = {key: rate for key, rate in best.items() if key[0] in OURS or key[0] == "ct w8a8"}
-        peer = {(name.removeprefix("llama.cpp "), b): rate for (name, b), rate in best.items()
-                if name.startswith("llama.cpp ")}
+        best = {key: max(rates) for key, rates in rounds.items()}  # ours and llama.cpp's
         vllm = bench_vllm(model, args) if args.vllm else {}
         print(f"\n## {model}: decode tokens/s ({args.prompt_len}-token prompts, {args.decode_tokens} decoded, "
               f"{args.threads} threads, best of {args.rounds})\n")
-        names = ([n for n in [*OURS, "ct w8a8"] if (n, args.batches[0]) in ours]
-                 + [f"llama.cpp {n}" for n in LLAMACPP if peer]
+        names = ([n for n in [*OURS, "ct w8a8"] if (n, args.batches[0]) in best]
+                 + [f"llama.cpp {n}" for n in LLAMACPP if (f"llama.cpp {n}", args.batches[0]) in best]
                  + [f"vLLM {d}" for d in VLLM if any(key[0] == f"vLLM {d}" for key in vllm)])
         ratios = [("int8/f32", "int8", "float32"), ("int4/f32", "int4", "float32"), ("bf16/f32", "bfloat16", "float32"),
                   ("w8a8/bf16", "w8a8", "bfloat16"), ("f32/llama f32", "float32", "llama.cpp f32"),
@@ -279,8 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         print("| batch | " + " | ".join(names) + " | " + " | ".join(r[0] for r in ratios) + " |")
         print("|---:|" + "---:|" * (len(names) + len(ratios)))
         for batch in args.batches:
-            row = ({n: rate for (n, b), rate in ours.items() if b == batch}
-                   | {f"llama.cpp {n}": peer.get((n, batch)) for n in LLAMACPP}
+            row = ({n: rate for (n, b), rate in best.items() if b == batch}
                    | {name: rate for (name, b), rate in vllm.items() if b == batch})
             cells = [f"{row[n]:.1f}" if row.get(n) else "-" for n in names]
             for _, a, b in ratios:  # paired round by round, but against vLLM (its runs are not interleaved)

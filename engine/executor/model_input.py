@@ -83,7 +83,8 @@ class ModelInput:
                    num_decodes, block_tables, slot_mapping.astype(np.int64),
                    np.asarray(logit_rows if logit_rows is not None else [], dtype=np.int64), lora_slots=token_slots,
                    window_block_tables=list(window_block_tables) or None, window_slot_mappings=window_slots or None,
-                   logits_of_every_row=logit_rows is not None and logit_rows == list(range(num_tokens)))
+                   logits_of_every_row=(logit_rows is not None and len(logit_rows) == num_tokens
+                                        and logit_rows == list(range(num_tokens))))
 
     @property
     def num_tokens(self) -> int:
